@@ -1,0 +1,57 @@
+"""Process groups: resolving what users pass, and what each backend can reduce."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+GroupLike = ProcessGroup | DeviceMesh | None
+
+# gloo gained ReduceOp.AVG in torch 2.8; before that it raises "Cannot use ReduceOp.AVG with Gloo".
+_GLOO_HAS_AVG = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 8)
+
+
+def is_distributed() -> bool:
+    """True when a default process group exists; otherwise every function acts on a world of one."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def resolve_group(group: GroupLike, argument: str = "group") -> ProcessGroup | None:
+    """Return the ProcessGroup behind ``group`` (a ProcessGroup, a 1D DeviceMesh, or None = world)."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"{argument} must be a ProcessGroup or a 1D DeviceMesh, got a {group.ndim}D "
+                f"DeviceMesh with dims {group.mesh_dim_names}; pass one of its dims, e.g. mesh['dp']"
+            )
+        return group.get_group()
+    if group is None or isinstance(group, ProcessGroup):
+        return group
+    raise TypeError(
+        f"{argument} must be a ProcessGroup, a 1D DeviceMesh or None, got {type(group).__name__}"
+    )
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Size of ``group``, or 1 when torch.distributed is not initialised."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def group_ranks(group: ProcessGroup | None) -> list[int]:
+    """Global ranks of ``group`` (the whole world for None)."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def supports_native_avg(group: ProcessGroup | None, device: torch.device) -> bool:
+    """Whether ``group``'s backend for ``device`` implements ``ReduceOp.AVG``."""
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # a per-device backend such as "cpu:gloo,cuda:nccl"
+        per_device = dict(item.split(":", 1) for item in backend.split(","))
+        backend = per_device.get(device.type, backend)
+    if backend == "gloo":
+        return _GLOO_HAS_AVG
+    return backend in ("nccl", "xccl", "fake")

@@ -1,0 +1,102 @@
+"""Argument checks shared by the public functions.
+
+Every check runs before any collective and before any gradient is touched, and depends only on
+arguments that are the same on every rank of a well-formed call, so a bad call raises everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import types
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+TensorOrTensors = Tensor | Iterable[Tensor]
+
+
+def tensor_list(tensors: TensorOrTensors | Iterable[Tensor | None], argument: str) -> list[Tensor]:
+    """``tensors`` as a list, None entries dropped; TypeError naming the first non-tensor."""
+    if isinstance(tensors, Tensor):
+        return [tensors]
+    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Iterable):
+        raise TypeError(
+            f"{argument} must be a tensor or an iterable of tensors, got {type(tensors).__name__}"
+        )
+    items = list(tensors)
+    for index, item in enumerate(items):
+        if item is not None and not isinstance(item, Tensor):
+            raise TypeError(
+                f"{argument}[{index}] is a {type(item).__name__}, expected a torch.Tensor"
+            )
+    return [item for item in items if item is not None]
+
+
+def parameter_list(parameters: TensorOrTensors) -> list[Tensor]:
+    """``parameters`` as a list, with torch's warning for an empty generator."""
+    is_generator = isinstance(parameters, types.GeneratorType)
+    params = tensor_list(parameters, "parameters")
+    if is_generator and not params:
+        warnings.warn(
+            "`parameters` is an empty generator, no gradient clipping will occur.",
+            stacklevel=3,
+        )
+    return params
+
+
+def check_grads(grads: list[Tensor], argument: str, allow_partial: bool) -> None:
+    """Reject gradients no reduction here can handle, naming the first offender."""
+    for index, grad in enumerate(grads):
+        if grad.is_sparse or grad.layout != torch.strided:
+            raise ValueError(
+                f"{argument}[{index}] has layout {grad.layout}; only dense (strided) gradients are "
+                "supported: densify it with .to_dense() first"
+            )
+        if not (grad.is_floating_point() or grad.is_complex()):
+            raise TypeError(
+                f"{argument}[{index}] has dtype {grad.dtype}; gradients must be floating point "
+                "(averaging or taking norms of integer tensors is lossy)"
+            )
+        if not allow_partial and _is_partial(grad):
+            raise ValueError(
+                f"{argument}[{index}] is a DTensor with a Partial placement "
+                f"{tuple(grad.placements)}: its local values are unreduced, so their norm is "  # type: ignore[attr-defined]
+                "not the gradient's. Reduce it first, e.g. "
+                "grad.redistribute(placements=[Replicate() ...])"
+            )
+
+
+def _is_partial(grad: Tensor) -> bool:
+    return isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements)
+
+
+def norm_order(norm_type: object) -> float:
+    """``norm_type`` as a float; TypeError for non-numbers, ValueError for NaN."""
+    if isinstance(norm_type, str) and norm_type.lower() in ("inf", "+inf", "infinity"):
+        return math.inf
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
+        raise TypeError(f"norm_type must be a real number or 'inf', got {norm_type!r}")
+    order = float(norm_type)
+    if math.isnan(order):
+        raise ValueError("norm_type must not be NaN")
+    return order
+
+
+def check_max_norm(max_norm: float | Tensor) -> None:
+    """ValueError for a NaN or negative ``max_norm`` (torch would silently NaN or flip the grads)."""
+    if isinstance(max_norm, Tensor):
+        if max_norm.numel() != 1:
+            raise ValueError(f"max_norm must be a scalar, got a tensor of shape {max_norm.shape}")
+        if max_norm.device.type != "cpu":
+            return  # checking a device scalar would cost a host sync on every step
+        value = float(max_norm.item())
+    elif isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        raise TypeError(f"max_norm must be a float or a scalar tensor, got {max_norm!r}")
+    else:
+        value = float(max_norm)
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"max_norm must be a non-negative number, got {value}")
