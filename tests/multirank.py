@@ -69,7 +69,8 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any, sys_path: lis
             finally:
                 faulthandler.cancel_dump_traceback_later()
         conn.send(reply)
-    dist.destroy_process_group()
+    # Exit at once: tearing down gloo groups waits on peers that are exiting too.
+    os._exit(0)
 
 
 class RankPool:

@@ -9,6 +9,7 @@ the same bits as torch's.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from credit.parallel import _ownership
 from credit.parallel._foreach import group_by_device_and_dtype, use_foreach
-from credit.parallel._groups import group_ranks
+from credit.parallel._groups import GroupLike, group_ranks, is_distributed, resolve_group
 
 
 def local_norm(
@@ -62,26 +63,38 @@ class NormPlan:
     counted: list[bool]
     groups: list[ProcessGroup | None]
     layout_groups: list[ProcessGroup | None]
+    device: torch.device
 
     def counted_local(self) -> list[Tensor]:
         return [t for t, counted in zip(self.local, self.counted, strict=True) if counted]
 
 
-def plan(grads: list[Tensor], pp_group: ProcessGroup | None) -> NormPlan:
-    """Decide, for this rank, which local shards to count and which groups to reduce over."""
-    dtensors = [g for g in grads if isinstance(g, DTensor)]
-    pp_ranks = tuple(group_ranks(pp_group)) if pp_group is not None else None
-    if not dtensors:
-        pp_groups: list[ProcessGroup | None] = [pp_group] if pp_group is not None else []
-        return NormPlan(grads, [True] * len(grads), groups=pp_groups, layout_groups=[])
+def plan(grads: list[Tensor], pp_group: GroupLike) -> NormPlan:
+    """Decide, for this rank, which local shards to count and which groups to reduce over.
 
-    root = _common_root(dtensors)
+    The root mesh comes from the DTensor gradients or, on a stage without any (frozen, or with
+    plain gradients only), from ``pp_group`` when it is a dim of a larger mesh, so that every stage
+    reduces over the same groups.
+    """
+    pp_process_group = resolve_group(pp_group, "pp_group")
+    dtensors = [g for g in grads if isinstance(g, DTensor)]
+    root = _common_root(dtensors) if dtensors else _sliced_from(pp_group)
+    if root is None or not is_distributed():
+        # Plain gradients: a local norm, as torch takes it, summed over the stages if any.
+        pp_groups: list[ProcessGroup | None] = []
+        if pp_process_group is not None and is_distributed():
+            pp_groups.append(pp_process_group)
+        device = grads[0].device if grads else torch.device("cpu")
+        return NormPlan(grads, [True] * len(grads), pp_groups, layout_groups=[], device=device)
+
+    pp_ranks = tuple(group_ranks(pp_process_group)) if pp_process_group is not None else None
+
     distinct = _ownership.distinct_root_dims(root, pp_ranks)
     root_groups = _root_groups(root)
     groups = list(root_groups)
     if pp_ranks is not None and not distinct:
         _check_pp_outside_root(root, pp_ranks)
-        groups.append(pp_group)
+        groups.append(pp_process_group)
 
     counts_plain = _ownership.counts_replicated(root, distinct)
     counts_by_spec: dict[tuple[int, tuple], bool] = {}
@@ -98,7 +111,25 @@ def plan(grads: list[Tensor], pp_group: ProcessGroup | None) -> NormPlan:
         # _local_tensor skips to_local()'s autograd bookkeeping, microseconds per gradient.
         local.append(grad._local_tensor)
         counted.append(counts_by_spec[key])
-    return NormPlan(local, counted, groups=groups, layout_groups=root_groups)
+    device = grads[0].device if grads else torch.device(root.device_type)
+    return NormPlan(local, counted, groups, layout_groups=root_groups, device=device)
+
+
+def _sliced_from(group: GroupLike) -> DeviceMesh | None:
+    """The mesh ``group`` was sliced from, when it is a dim of a larger DeviceMesh."""
+    if not isinstance(group, DeviceMesh):
+        return None
+    root = _ownership.root_mesh(group)
+    return root if root is not group else None
+
+
+def result_dtype(grads: list[Tensor], dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype torch's stacked norm would have; the same on every rank of one layout."""
+    if dtype is not None:
+        return dtype
+    if not grads:
+        return torch.get_default_dtype()
+    return functools.reduce(torch.promote_types, (g.dtype for g in grads)).to_real()
 
 
 def _common_root(dtensors: list[DTensor]) -> DeviceMesh:
@@ -137,7 +168,11 @@ def global_norm(
     dtype: torch.dtype,
     device: torch.device,
 ) -> Tensor:
-    """Combine every rank's counted norm into the global norm, one all_reduce per group."""
+    """Combine every rank's counted norm into the global norm, one all_reduce per group.
+
+    ``dtype`` must be the same on every rank (see :func:`result_dtype`), even one without
+    gradients, or the ranks' collectives would not match.
+    """
     if counted_norm is None:
         counted_norm = torch.zeros((), dtype=dtype, device=device)
     else:

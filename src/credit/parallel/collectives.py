@@ -9,7 +9,6 @@ Every function works without ``torch.distributed`` initialised, as on a world of
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 
 import torch
@@ -22,7 +21,6 @@ from credit.parallel._foreach import group_by_device_and_dtype, use_foreach
 from credit.parallel._groups import (
     GroupLike,
     group_size,
-    is_distributed,
     resolve_group,
     supports_native_avg,
 )
@@ -148,7 +146,8 @@ def total_grad_norm(
             stage's gradients; when it is a dim of the gradients' mesh this costs no extra
             collective.
         dtype: accumulate per-gradient norms in this dtype (e.g. ``torch.float32`` for bf16
-            grads), without copying the gradients.
+            grads). On CUDA the foreach kernels read the low-precision gradients directly; on CPU
+            each gradient is upcast in turn (a transient copy of one gradient at a time).
         check: verify the gradient layout across ranks first (see :func:`allreduce_grads_avg`).
 
     Returns:
@@ -224,31 +223,20 @@ def _total_norm(
 ) -> Tensor:
     order = _inputs.norm_order(norm_type)
     _inputs.check_grads(grads, "grads", allow_partial=False)
-    pp_process_group = resolve_group(pp_group, "pp_group")
-    distributed = is_distributed() and (
-        pp_process_group is not None or any(isinstance(g, DTensor) for g in grads)
+    plan = _norms.plan(grads, pp_group)
+    if plan.groups and not order > 0:
+        raise ValueError(f"norm_type must be positive or inf for distributed grads, got {order}")
+    if plan.groups and check_enabled(check):
+        layout = [_global_layout(g) for g in grads]
+        for group in plan.layout_groups:
+            verify_same_layout(layout, group, plan.device, "total_grad_norm")
+    total = _norms.global_norm(
+        _norms.local_norm(plan.counted_local(), order, foreach, dtype),
+        order,
+        plan.groups,
+        _norms.result_dtype(grads, dtype),
+        plan.device,
     )
-    if not distributed:
-        norm = _norms.local_norm(grads, order, foreach, dtype)
-        total = norm if norm is not None else torch.tensor(0.0)
-    else:
-        if not order > 0:
-            raise ValueError(
-                f"norm_type must be positive or inf for distributed grads, got {order}"
-            )
-        plan = _norms.plan(grads, pp_process_group)
-        device = grads[0].device if grads else torch.device("cpu")
-        if check_enabled(check):
-            layout = [_global_layout(g) for g in grads]
-            for group in plan.layout_groups:
-                verify_same_layout(layout, group, device, "total_grad_norm")
-        total = _norms.global_norm(
-            _norms.local_norm(plan.counted_local(), order, foreach, dtype),
-            order,
-            plan.groups,
-            _result_dtype(grads, dtype),
-            device,
-        )
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
             f"The total norm of order {order} for gradients from `parameters` is non-finite, so it "
@@ -266,16 +254,6 @@ def _global_layout(grad: Tensor) -> str:
             f"placements={tuple(grad.placements)} mesh={mesh.mesh_dim_names}{tuple(mesh.shape)}"
         )
     return f"tensor shape={tuple(grad.shape)} dtype={grad.dtype}"
-
-
-def _result_dtype(grads: list[Tensor], dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype torch's stacked norm would have; the same on every rank of one layout."""
-    if dtype is not None:
-        return dtype
-    if not grads:
-        return torch.get_default_dtype()
-    promoted = functools.reduce(torch.promote_types, (g.dtype for g in grads))
-    return promoted.to_real()
 
 
 def _scale_(
