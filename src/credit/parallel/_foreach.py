@@ -19,6 +19,14 @@ def group_by_device_and_dtype(
     return {key: lists[0] for key, (lists, _) in grouped.items()}  # type: ignore[misc]
 
 
+def group_indices_by_device_and_dtype(
+    tensors: list[Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Indices into ``tensors`` grouped as :func:`group_by_device_and_dtype` groups them."""
+    grouped = _group_tensors_by_device_and_dtype([tensors], with_indices=True)  # type: ignore[list-item]
+    return {key: indices for key, (_, indices) in grouped.items()}
+
+
 def use_foreach(foreach: bool | None, tensors: list[Tensor], device: torch.device) -> bool:
     """torch's rule: foreach where supported when None; True demands support."""
     if (foreach is None and _has_foreach_support(tensors, device)) or (

@@ -1,10 +1,12 @@
 """Gradient norms over any mix of meshes with one collective.
 
-Each rank raises the norm of the shards it counts (see ``_ownership``) to the p-th power, one
-all_reduce sums those contributions (MAX for the inf norm), and the p-th root gives the global
-norm. The local step is torch's ``get_total_norm`` computation on the local shards, and the
-reduction is the one DTensor applies to a partial norm, so on a homogeneous 1D mesh the result has
-the same bits as torch's.
+torch takes the norm of DTensor gradients as ``vector_norm(stack(per-gradient norms))`` where each
+per-gradient norm is a partial norm that DTensor completes with an all_reduce of p-th powers. Here
+every rank stacks the norms of its local shards in torch's order, with zeros for the shards it does
+not count (see ``_ownership``), one all_reduce completes the whole vector (SUM of p-th powers, or
+MAX for the inf norm), and the vector's norm is the total. On a homogeneous 1D mesh these are
+torch's operations in torch's order, so the result has torch's bits. Pipeline stages hold different
+gradients, so under a ``pp_group`` each rank contributes one scalar instead.
 """
 
 from __future__ import annotations
@@ -21,31 +23,53 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from credit.parallel import _ownership
-from credit.parallel._foreach import group_by_device_and_dtype, use_foreach
+from credit.parallel._foreach import group_indices_by_device_and_dtype, use_foreach
 from credit.parallel._groups import GroupLike, group_ranks, is_distributed, resolve_group
+
+
+def stacked_norms(
+    tensors: list[Tensor],
+    counted: list[bool],
+    norm_type: float,
+    foreach: bool | None,
+    dtype: torch.dtype | None,
+) -> Tensor | None:
+    """Each tensor's norm, stacked as torch's ``get_total_norm`` stacks them (None for none).
+
+    Tensors this rank does not count get a zero, and so do empty tensors under the inf norm (torch's
+    kernels raise on them), so every rank of one layout stacks the same entries in the same order.
+    """
+    if not tensors:
+        return None
+    first_device = tensors[0].device
+    norms: list[Tensor] = []
+    for (device, tensor_dtype), indices in group_indices_by_device_and_dtype(tensors).items():
+        keep = [counted[i] and (norm_type != math.inf or tensors[i].numel() > 0) for i in indices]
+        kept = [tensors[i] for i, k in zip(indices, keep, strict=True) if k]
+        kept_norms = iter(_norms_of(kept, norm_type, foreach, dtype, device) if kept else [])
+        zero = torch.zeros((), dtype=dtype or tensor_dtype.to_real(), device=device)
+        norms.extend(next(kept_norms) if k else zero for k in keep)
+    return torch.stack([n.to(first_device) for n in norms])
 
 
 def local_norm(
     tensors: list[Tensor], norm_type: float, foreach: bool | None, dtype: torch.dtype | None
 ) -> Tensor | None:
-    """torch's ``get_total_norm`` on plain tensors (None for no tensors), accumulating in ``dtype``.
+    """torch's ``get_total_norm`` on plain tensors (None for none), accumulating in ``dtype``."""
+    norms = stacked_norms(tensors, [True] * len(tensors), norm_type, foreach, dtype)
+    return None if norms is None else torch.linalg.vector_norm(norms, norm_type)
 
-    Empty tensors are left out of the inf norm, for which torch's kernels raise on them.
-    """
-    if norm_type == math.inf:
-        tensors = [t for t in tensors if t.numel() > 0]
-    if not tensors:
-        return None
-    first_device = tensors[0].device
-    norms: list[Tensor] = []
-    for (device, _), device_tensors in group_by_device_and_dtype(tensors).items():
-        if use_foreach(foreach, device_tensors, device):
-            norms.extend(torch._foreach_norm(device_tensors, norm_type, dtype=dtype))
-        else:
-            norms.extend(
-                torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in device_tensors
-            )
-    return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)
+
+def _norms_of(
+    tensors: list[Tensor],
+    norm_type: float,
+    foreach: bool | None,
+    dtype: torch.dtype | None,
+    device: torch.device,
+) -> list[Tensor]:
+    if use_foreach(foreach, tensors, device):
+        return list(torch._foreach_norm(tensors, norm_type, dtype=dtype))
+    return [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in tensors]
 
 
 @dataclass(frozen=True)
@@ -162,28 +186,27 @@ def _check_pp_outside_root(root: DeviceMesh, pp_ranks: tuple[int, ...]) -> None:
 
 
 def global_norm(
-    counted_norm: Tensor | None,
+    local: Tensor | None,
     norm_type: float,
     groups: list[ProcessGroup | None],
     dtype: torch.dtype,
     device: torch.device,
 ) -> Tensor:
-    """Combine every rank's counted norm into the global norm, one all_reduce per group.
+    """Complete this rank's norms (a scalar, or a vector from :func:`stacked_norms`) over ``groups``.
 
-    ``dtype`` must be the same on every rank (see :func:`result_dtype`), even one without
-    gradients, or the ranks' collectives would not match.
+    Each entry is reduced as DTensor reduces a partial norm: p-th power, SUM, p-th root (MAX for
+    inf), one all_reduce per group; a vector's norm is then taken. ``dtype`` must be the same on
+    every rank (see :func:`result_dtype`), even one without gradients, or the collectives would not
+    match.
     """
-    if counted_norm is None:
-        counted_norm = torch.zeros((), dtype=dtype, device=device)
-    else:
-        counted_norm = counted_norm.to(dtype)
-    if not groups:
-        return counted_norm
-    if norm_type == math.inf:
+    norms = torch.zeros((), dtype=dtype, device=device) if local is None else local.to(dtype)
+    if groups and norm_type == math.inf:
         for group in groups:
-            dist.all_reduce(counted_norm, op=dist.ReduceOp.MAX, group=group)
-        return counted_norm
-    powered = counted_norm**norm_type if norm_type != 1 else counted_norm
-    for group in groups:
-        dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
-    return powered ** (1.0 / norm_type) if norm_type != 1 else powered
+            dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=group)
+    elif groups:
+        # DTensor skips the power for p=1, and so do we, to keep its bits.
+        powered = norms**norm_type if norm_type != 1 else norms
+        for group in groups:
+            dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+        norms = powered ** (1.0 / norm_type) if norm_type != 1 else powered
+    return torch.linalg.vector_norm(norms, norm_type) if norms.ndim else norms

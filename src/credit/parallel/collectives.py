@@ -230,8 +230,12 @@ def _total_norm(
         layout = [_global_layout(g) for g in grads]
         for group in plan.layout_groups:
             verify_same_layout(layout, group, plan.device, "total_grad_norm")
+    if pp_group is None:
+        local = _norms.stacked_norms(plan.local, plan.counted, order, foreach, dtype)
+    else:  # stages hold different gradients: each rank contributes one scalar
+        local = _norms.local_norm(plan.counted_local(), order, foreach, dtype)
     total = _norms.global_norm(
-        _norms.local_norm(plan.counted_local(), order, foreach, dtype),
+        local,
         order,
         plan.groups,
         _norms.result_dtype(grads, dtype),
@@ -263,7 +267,7 @@ def _scale_(
     if not grads:
         return
     local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
-    clip_coef = max_norm / (total_norm + 1e-6)
+    clip_coef = float(max_norm) / (total_norm + 1e-6)  # float(), as torch: it decides the bits
     clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
     grouped = group_by_device_and_dtype(local)
     for (device, _), device_grads in grouped.items():
