@@ -49,7 +49,13 @@ def parameter_list(parameters: TensorOrTensors) -> list[Tensor]:
 
 
 def check_grads(grads: list[Tensor], argument: str, allow_partial: bool) -> None:
-    """Reject gradients no reduction here can handle, naming the first offender."""
+    """Reject gradients no reduction here can handle, naming the first offender.
+
+    Raises:
+        ValueError: a gradient is sparse (or another non-strided layout), lives on the meta
+            device, or (unless ``allow_partial``) is a DTensor with a Partial placement.
+        TypeError: a gradient is not floating point (integer and bool included).
+    """
     for index, grad in enumerate(grads):
         if grad.is_sparse or grad.layout != torch.strided:
             raise ValueError(
@@ -58,8 +64,15 @@ def check_grads(grads: list[Tensor], argument: str, allow_partial: bool) -> None
             )
         if not (grad.is_floating_point() or grad.is_complex()):
             raise TypeError(
-                f"{argument}[{index}] has dtype {grad.dtype}; gradients must be floating point "
-                "(averaging or taking norms of integer tensors is lossy)"
+                f"{argument}[{index}] has dtype {grad.dtype}; only floating-point tensors can be "
+                "averaged or normed (integer and bool values would be truncated)"
+            )
+        if grad.device.type == "meta":
+            # A collective on a meta tensor is a silent no-op and its norm cannot be read back:
+            # the "averaged" gradient would hold no data at all.
+            raise ValueError(
+                f"{argument}[{index}] is on the meta device and holds no data; materialise the "
+                "module (e.g. module.to_empty(device=...)) before reducing its gradients"
             )
         if not allow_partial and _is_partial(grad):
             raise ValueError(

@@ -201,8 +201,13 @@ def global_norm(
     """
     norms = torch.zeros((), dtype=dtype, device=device) if local is None else local.to(dtype)
     if groups and norm_type == math.inf:
+        # gloo's MAX keeps its first operand when the other is NaN, so a NaN held by any rank but
+        # the first would vanish: each entry's NaN flag travels beside it, in the same collective.
+        nan = torch.isnan(norms)
+        both = torch.stack([torch.where(nan, 0.0, norms), nan.to(norms.dtype)])
         for group in groups:
-            dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        norms = torch.where(both[1] > 0, math.nan, both[0])
     elif groups:
         # DTensor skips the power for p=1, and so do we, to keep its bits.
         powered = norms**norm_type if norm_type != 1 else norms

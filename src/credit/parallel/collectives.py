@@ -110,7 +110,8 @@ def allreduce_grads_avg(
     local = [g._local_tensor if isinstance(g, DTensor) else g for g in grad_list]
     if check_enabled(check):
         layout = [f"local shape={tuple(t.shape)} dtype={t.dtype}" for t in local]
-        verify_same_layout(layout, process_group, local[0].device, "allreduce_grads_avg")
+        settings = f"bucket_cap_mb={bucket_cap_mb}"  # a different cap packs different buckets
+        verify_same_layout(layout, process_group, local[0].device, "allreduce_grads_avg", settings)
     _buckets.average_(local, process_group, int(bucket_cap_mb * 2**20))
 
 
@@ -131,8 +132,10 @@ def total_grad_norm(
     operands on different meshes (and plain/DTensor mixes): with TP composed under FSDP2 the TP'd
     projections carry grads on the 2D (dp, tp) mesh while the rest live on the 1D dp mesh, and the
     stack raises. Here each rank takes the norm of the local shards it counts (each distinct shard
-    is counted by exactly one rank of the gradients' root mesh; replicated copies once), and one
-    all_reduce combines the p-th powers (MAX for inf) into the norm of the full gradient.
+    is counted by exactly one rank of the gradients' root mesh; replicated copies once, the other
+    ranks contribute zeros), one all_reduce of that vector of per-gradient p-th powers (MAX for
+    inf) completes every gradient's norm, and their norm is the total. One collective of one
+    number per gradient, whatever the mix of meshes; with ``pp_group``, one number per rank.
 
     Plain tensors alone are reduced locally, exactly as torch does. On a homogeneous 1D mesh the
     result has the same bits as torch's ``clip_grad_norm_(...).full_tensor()``.
@@ -228,8 +231,8 @@ def _total_norm(
         raise ValueError(f"norm_type must be positive or inf for distributed grads, got {order}")
     if plan.groups and check_enabled(check):
         layout = [_global_layout(g) for g in grads]
-        for group in plan.layout_groups:
-            verify_same_layout(layout, group, plan.device, "total_grad_norm")
+        settings = f"norm_type={order} dtype={dtype}"
+        verify_same_layout(layout, plan.layout_groups, plan.device, "total_grad_norm", settings)
     if pp_group is None:
         local = _norms.stacked_norms(plan.local, plan.counted, order, foreach, dtype)
     else:  # stages hold different gradients: each rank contributes one scalar

@@ -1,0 +1,223 @@
+"""The opt-in layout check: ranks that pass different gradient layouts get an error, not a crash.
+
+Without the check, a count, shape or dtype mismatch across ranks makes gloo abort the process
+(shown in test_faults.py) and NCCL hang. With ``check=True`` or ``CREDIT_PARALLEL_CHECK=1`` every
+rank raises the same RuntimeError naming the first differing gradient, before any gradient is
+touched, and the group keeps working. When the layouts agree the check costs one small collective.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from layouts import build, mesh
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+from credit.parallel import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+from credit.parallel._layout_check import ENV_VAR, verify_same_layout
+
+WORLD = 4
+ODD_RANK = 3  # the rank whose layout differs
+FUNCTIONS = ("allreduce_grads_avg", "total_grad_norm", "clip_grad_norm_")
+KINDS = ("count", "shape", "dtype")
+
+
+def _bits(tensor: Tensor) -> Tensor:
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return local.detach().clone().contiguous().view(-1).view(torch.uint8)
+
+
+def _params(function: str) -> list[nn.Parameter]:
+    """Parameters with gradients: plain ones (world group) to average, fsdp_tp ones to norm."""
+    layout = "plain" if function == "allreduce_grads_avg" else "fsdp_tp"
+    model = build(layout).model
+    return [p for p in model.parameters() if p.grad is not None]
+
+
+def _float64_copy(param: nn.Parameter) -> nn.Parameter:
+    assert param.grad is not None
+    copy = nn.Parameter(param.detach().to(torch.float64))
+    copy.grad = param.grad.to(torch.float64)
+    return copy
+
+
+def _mismatched(params: list[nn.Parameter], kind: str) -> tuple[list[nn.Parameter], int]:
+    """The odd rank's parameters for ``kind``, and the index of the first difference."""
+    if kind == "count":
+        return params[:-1], len(params) - 1
+    if kind == "shape":  # two neighbours of different shapes swapped, as iterating a set would
+        index = next(i for i in range(len(params) - 1) if params[i].shape != params[i + 1].shape)
+        swapped = list(params)
+        swapped[index], swapped[index + 1] = swapped[index + 1], swapped[index]
+        return swapped, index
+    return [*params[:1], _float64_copy(params[1]), *params[2:]], 1
+
+
+def _call(function: str, params: list[nn.Parameter], check: bool | None) -> Tensor | None:
+    grads = [p.grad for p in params]
+    if function == "allreduce_grads_avg":
+        allreduce_grads_avg(grads, None, check=check)
+        return None
+    if function == "total_grad_norm":
+        return total_grad_norm(grads, 2.0, check=check)
+    return clip_grad_norm_(params, 0.01, check=check)
+
+
+def _mismatch_raises_everywhere(function: str, kind: str, via: str) -> dict:
+    params = _params(function)
+    mine, index = _mismatched(params, kind) if dist.get_rank() == ODD_RANK else (params, -1)
+    watched = [p.grad for p in params] + [p.grad for p in mine]
+    before = [_bits(g) for g in watched]
+    previous = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = "1" if via == "env" else "0"
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            _call(function, mine, check=True if via == "argument" else None)
+        unchanged = all(torch.equal(b, _bits(g)) for b, g in zip(before, watched, strict=True))
+        # The group keeps working: the agreed layout goes through, with the check on.
+        result = _call(function, params, check=True if via == "argument" else None)
+    finally:
+        if previous is None:
+            del os.environ[ENV_VAR]
+        else:
+            os.environ[ENV_VAR] = previous
+    return {
+        "message": str(raised.value),
+        "unchanged": unchanged,
+        "index": index,
+        "shapes": [tuple(p.shape) for p in params],
+        "result": None if result is None else result.item(),
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_mismatch_raises_on_every_rank_and_changes_nothing(ranks, function, kind):
+    results = ranks.run(WORLD, _mismatch_raises_everywhere, function, kind, "argument")
+    index = results[ODD_RANK]["index"]
+    shapes = results[0]["shapes"]
+    message = results[0]["message"]
+    assert all(r["message"] == message for r in results), "ranks describe it differently"
+    assert all(r["unchanged"] for r in results), "a gradient changed"
+    assert len({r["result"] for r in results}) == 1, "the recovery call disagrees across ranks"
+    checked_by = "total_grad_norm" if function == "clip_grad_norm_" else function
+    assert message.startswith(f"{checked_by}: ranks passed different gradient layouts")
+    assert f"First difference at gradient {index} " in message
+    assert "rank 0 has " in message and f"rank {ODD_RANK} has " in message
+    if kind == "count":
+        assert f"rank {ODD_RANK} has nothing" in message
+        assert (
+            f"rank 0 passed {len(shapes)} gradients, rank {ODD_RANK} passed {len(shapes) - 1})"
+            in message
+        )
+    elif kind == "shape" and function != "allreduce_grads_avg":  # global shapes
+        first, second = shapes[index], shapes[index + 1]
+        assert re.search(rf"rank 0 has DTensor shape={re.escape(str(first))} ", message)
+        assert re.search(rf"rank {ODD_RANK} has DTensor shape={re.escape(str(second))} ", message)
+    elif kind == "shape":  # local shapes
+        first, second = shapes[index], shapes[index + 1]
+        assert f"rank 0 has local shape={first} " in message
+        assert f"rank {ODD_RANK} has local shape={second} " in message
+    else:
+        assert re.search(r"rank 0 has .*dtype=torch\.float32", message)
+        assert re.search(rf"rank {ODD_RANK} has .*dtype=torch\.float64", message)
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_environment_variable_turns_the_check_on(ranks, function):
+    results = ranks.run(WORLD, _mismatch_raises_everywhere, function, "shape", "env")
+    assert all("First difference at gradient" in r["message"] for r in results)
+    assert all(r["unchanged"] for r in results)
+
+
+def _collectives_with_and_without_check(function: str) -> dict[str, dict[str, int]]:
+    params = _params(function)
+    counts = {}
+    previous = os.environ.get(ENV_VAR)
+    try:
+        for label, check, env in (
+            ("off", False, "0"),
+            ("on", True, "0"),
+            ("env", None, "1"),
+            ("env overridden", False, "1"),
+        ):
+            os.environ[ENV_VAR] = env
+            with CommDebugMode() as comm:
+                _call(function, params, check)
+            counts[label] = {str(op): n for op, n in comm.get_comm_counts().items()}
+    finally:
+        if previous is None:
+            del os.environ[ENV_VAR]
+        else:
+            os.environ[ENV_VAR] = previous
+    return counts
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_check_costs_exactly_one_small_collective(ranks, function):
+    counts = ranks.run(WORLD, _collectives_with_and_without_check, function)[0]
+    off, on = counts["off"], counts["on"]
+    added = {op: on.get(op, 0) - off.get(op, 0) for op in set(on) | set(off)}
+    # one all_reduce of four int64 (MAX of the digest and of its negation)
+    assert {op: n for op, n in added.items() if n} == {"c10d.allreduce_": 1}, counts
+    assert counts["env"] == on
+    assert counts["env overridden"] == off
+
+
+def _verify_over_mesh_dims(odd_rank: int, settings_differ: bool) -> tuple[str | None, int, int]:
+    """verify_same_layout over the two dims of a (2, 2) mesh, as for a mesh short of the world.
+
+    Checking dim by dim and raising as soon as one dim's group disagrees would leave the ranks
+    whose own group agreed waiting in the next dim's collective for peers that already raised.
+    """
+    world = mesh((2, 2), ("dp", "tp"))
+    groups = [world.get_group("dp"), world.get_group("tp")]
+    agreed = ["shape=(2,) dtype=torch.float32"]
+    with CommDebugMode() as comm:
+        verify_same_layout(agreed, groups, torch.device("cpu"), "test", settings="cap=1")
+    agreed_count = comm.get_total_counts()
+    mine = agreed
+    settings = "cap=1"
+    if dist.get_rank() == odd_rank:
+        if settings_differ:
+            settings = "cap=2"
+        else:
+            mine = ["shape=(3,) dtype=torch.float32"]
+    message = None
+    with CommDebugMode() as comm:
+        try:
+            verify_same_layout(mine, groups, torch.device("cpu"), "test", settings=settings)
+        except RuntimeError as error:
+            message = str(error)
+    return message, agreed_count, comm.get_total_counts()
+
+
+@pytest.mark.parametrize("odd_rank", [0, 3])
+def test_check_over_several_groups_raises_everywhere(ranks, odd_rank):
+    results = ranks.run(WORLD, _verify_over_mesh_dims, odd_rank, False)
+    messages = {message for message, _, _ in results}
+    assert len(messages) == 1 and None not in messages, messages
+    (message,) = messages
+    # the lowest rank is the reference; the first rank that differs from it is named
+    if odd_rank == 0:
+        assert "rank 0 has shape=(3,) dtype=torch.float32, rank 1 has shape=(2,)" in message
+    else:
+        assert (
+            f"rank 0 has shape=(2,) dtype=torch.float32, rank {odd_rank} has shape=(3,)" in message
+        )
+    # one all_reduce per group when the layouts agree
+    assert all(agreed == 2 for _, agreed, _ in results)
+
+
+def test_check_names_differing_arguments(ranks):
+    results = ranks.run(WORLD, _verify_over_mesh_dims, 2, True)
+    for message, _, _ in results:
+        assert message is not None
+        assert "ranks passed different arguments" in message
+        assert "rank 0 has cap=1, rank 2 has cap=2" in message
