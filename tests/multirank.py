@@ -20,6 +20,7 @@ import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -86,9 +87,16 @@ class RankPool:
     def start(self) -> None:
         import torch.distributed as dist
 
-        # The store server lives here, on a free loopback port picked by the OS.
+        # The store server lives here, on a free port picked by the OS. TCPStore alone would
+        # listen on every interface, so it is handed a socket bound to loopback only.
+        listener = socket.create_server((HOST, 0))
         self._store = dist.TCPStore(
-            HOST, 0, self.world_size, is_master=True, wait_for_workers=False
+            HOST,
+            listener.getsockname()[1],
+            self.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
         )
         ctx = multiprocessing.get_context("spawn")
         for rank in range(self.world_size):

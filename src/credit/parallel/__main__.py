@@ -13,7 +13,9 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
-        print("usage: credit-parallel {demo,bench} [options]   (--help after a command for its options)")
+        print(
+            "usage: credit-parallel {demo,bench} [options]   (--help after a command for its options)"
+        )
         for name, summary in COMMANDS.items():
             print(f"  {name:6} {summary}")
         return 0 if args and args[0] in ("-h", "--help") else 2

@@ -1,0 +1,139 @@
+"""What rank 0 prints: the set-up, torch's clip on this layout, one line per step, a verdict."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from credit.parallel.demo._cli import Options
+    from credit.parallel.demo._train import History
+
+MESSAGE_WIDTH = 90
+COLUMNS = ("step", "loss", "loss (1 proc)", "rel diff", "grad norm", "norm (1 proc)", "rel diff")
+WIDTHS = (4, 12, 13, 8, 12, 13, 8)
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def layout_name(options: Options) -> str:
+    return f"dp={options.dp} x tp={options.tp} x domain={options.domain}"
+
+
+def ready(options: Options, parameters: int, started: float) -> None:
+    """The set-up, once the ranks are up."""
+    m = options.model
+    say(
+        f"{plural(options.world, 'rank')} up in {time.perf_counter() - started:.1f} s "
+        f"({layout_name(options)}, {options.backend})"
+    )
+    say(
+        f"model: {m.depth} transformer blocks (dim {m.dim}, {m.heads} heads), {parameters:,} "
+        f"parameters, on a {m.channels} x {m.lat} x {m.lon} grid (channels x lat x lon)"
+    )
+    say(f"layout: {_layout_description(options)}")
+    say(
+        f"training: {plural(options.steps, 'step')} of {plural(options.accum, 'micro-step')}, "
+        f"{options.optimizer} lr {options.lr:g}, clip at {options.max_norm:g}; "
+        "replica: 1 process on rank 0"
+    )
+
+
+def _layout_description(options: Options) -> str:
+    tp = "TP on attention q/k/v/out and MLP fc1/fc2" if options.tp > 1 else "no TP"
+    if options.domain == 1:
+        return f"{tp}, FSDP2 over dp, loss on the whole grid"
+    lat = options.model.lat
+    sizes = sorted(
+        {lat * (i + 1) // options.domain - lat * i // options.domain for i in range(options.domain)}
+    )
+    rows = "-".join(map(str, sizes))
+    return f"{tp}, FSDP2 over dp, each domain rank's loss on its own band of {rows} latitude rows"
+
+
+def torch_clip(error: str | None) -> None:
+    """How torch's own clip_grad_norm_ fares on this layout, in one line."""
+    if error is None:
+        say("torch.nn.utils.clip_grad_norm_ on this layout: works (every parameter on one mesh)")
+        return
+    say(f"torch.nn.utils.clip_grad_norm_ on this layout: {shorten(error)}")
+
+
+def shorten(message: str, width: int = MESSAGE_WIDTH) -> str:
+    """The first sentence of ``message``; when too long, its first clause, then "..."."""
+    text = " ".join(message.split())
+    sentence = text.split(". ", 1)[0].rstrip(".")
+    if len(sentence) <= width:
+        return sentence
+    clause_end = sentence.find(", ", 30)
+    if 0 < clause_end <= width:
+        return sentence[:clause_end] + ", ..."
+    return sentence[: width - 3].rstrip() + "..."
+
+
+def header() -> None:
+    say("  ".join(name.rjust(width) for name, width in zip(COLUMNS, WIDTHS, strict=True)))
+
+
+def row(step: int, run: History, replica: History) -> None:
+    """The table line of ``step`` (counted from 1)."""
+    loss, ref_loss = run.loss[step - 1], replica.loss[step - 1]
+    norm, ref_norm = run.norm[step - 1], replica.norm[step - 1]
+    cells = (
+        str(step),
+        f"{loss:.8g}",
+        f"{ref_loss:.8g}",
+        f"{relative(loss, ref_loss):.1e}",
+        f"{norm:.8g}",
+        f"{ref_norm:.8g}",
+        f"{relative(norm, ref_norm):.1e}",
+    )
+    say("  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS, strict=True)))
+
+
+def relative(value: float, reference: float) -> float:
+    """|value - reference| / |reference| (inf when either is not finite)."""
+    if not (math.isfinite(value) and math.isfinite(reference)):
+        return math.inf
+    return abs(value - reference) / max(abs(reference), 1e-30)
+
+
+def verdict(
+    options: Options,
+    run: History,
+    replica: History,
+    weights: float,
+    same_bits: bool,
+    started: float,
+) -> bool:
+    """Print the one-line verdict; return whether the run matches the replica."""
+    loss = max(map(relative, run.loss, replica.loss))
+    norm = max(map(relative, run.norm, replica.norm))
+    worst = max(loss, norm, weights)
+    passed = worst <= options.rtol and same_bits
+    figures = (
+        f"max relative difference {loss:.1e} (loss), {norm:.1e} (grad norm), "
+        f"{weights:.1e} (weights) over {plural(options.steps, 'step')}, "
+        f"tolerance {options.rtol:.0e}"
+    )
+    elapsed = f"{time.perf_counter() - started:.1f} s"
+    if passed:
+        say(
+            f"PASS: the {options.world}-rank run matches the single-process replica: {figures}; "
+            f"all ranks hold the same bits; {elapsed}"
+        )
+    else:
+        reasons = [] if worst <= options.rtol else ["beyond the tolerance"]
+        reasons += [] if same_bits else ["ranks disagree on the loss or grad norm bits"]
+        say(
+            f"FAIL: the {options.world}-rank run departs from the single-process replica "
+            f"({', '.join(reasons)}): {figures}; {elapsed}"
+        )
+    return passed

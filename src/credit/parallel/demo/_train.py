@@ -1,0 +1,295 @@
+"""What every rank runs: the parallel training loop, and on rank 0 the single-process replica."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import os
+import socket
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from credit.parallel.collectives import all_reduce_avg, clip_grad_norm_
+from credit.parallel.demo import _report
+from credit.parallel.demo._cli import Options
+from credit.parallel.demo._model import (
+    TinyWeatherModel,
+    band,
+    band_loss,
+    global_batch,
+    latitude_weights,
+    parallelize,
+)
+from credit.parallel.domain import sync_domain_gradients
+from credit.parallel.mesh import ParallelMesh, build_device_mesh
+from credit.parallel.tensor_parallel import sync_replicated_gradients
+
+logger = logging.getLogger(__name__)
+
+PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
+
+
+@dataclass
+class History:
+    """Per-step loss and pre-clip gradient norm of a run."""
+
+    loss: list[float] = field(default_factory=list)
+    norm: list[float] = field(default_factory=list)
+
+    def record(self, loss: float, norm: float) -> None:
+        self.loss.append(loss)
+        self.norm.append(norm)
+
+
+EXIT_PASS, EXIT_DEPARTS, EXIT_ERROR, EXIT_PEER_FAILED = 0, 1, 3, 4
+# How gloo reports that a peer process went away (it crashed, or stopped on its own error).
+_PEER_GONE = ("closed by peer", "reset by peer", "remote worker crashing")
+
+
+def run_worker(options: Options, own_store: bool) -> int:
+    """Entry point of one rank: train, compare with the replica, return this rank's exit status.
+
+    A rank that raises prints its traceback; its peers then fail in their next collective and
+    stop quietly. Under the demo's own launcher (``own_store``) a failing rank ends its process
+    at once, which closes its connections (a rank that returned would be kept alive by the
+    launcher until every rank returns) and leaves the reporting to the launcher.
+
+    Args:
+        options: the checked command-line options.
+        own_store: launched by the demo: host the ranks' store on rank 0, on a socket bound to
+            ``MASTER_ADDR``. Otherwise (torchrun) initialise from the environment.
+
+    Returns:
+        ``EXIT_PASS`` (0) when the run matches the replica, ``EXIT_DEPARTS`` (1) when it does not
+        (the same on every rank), ``EXIT_ERROR`` (3) when this rank raised, ``EXIT_PEER_FAILED``
+        (4) when it stopped because another rank went away.
+    """
+    quiet_torch()
+    started = time.perf_counter()
+    try:
+        device = _device(options)
+        _init_process_group(options.backend, own_store)
+        mesh = build_device_mesh(options.dp, options.tp, options.domain, device_type=device.type)
+        passed = _train_and_compare(options, mesh, device, started)
+    except Exception as exc:
+        code = EXIT_PEER_FAILED if _peer_gone(exc) else EXIT_ERROR
+        if code == EXIT_ERROR:
+            logger.error("rank %s failed:\n%s", os.environ.get("RANK", "?"), traceback.format_exc())
+        if own_store:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    return EXIT_PASS if passed else EXIT_DEPARTS
+
+
+def _peer_gone(exc: Exception) -> bool:
+    """Whether ``exc`` says another rank went away (or the launcher is stopping this one)."""
+    if type(exc).__name__ == "SignalException":  # the launcher's SIGTERM, once a rank failed
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _PEER_GONE)
+
+
+def quiet_torch() -> None:
+    """Keep torch's internal warnings and logs (below ERROR) off the console."""
+    warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+
+def _device(options: Options) -> torch.device:
+    if options.backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    torch.set_num_threads(1)
+    return torch.device("cpu")
+
+
+def _init_process_group(backend: str, own_store: bool) -> None:
+    if not own_store:
+        dist.init_process_group(backend, timeout=PROCESS_GROUP_TIMEOUT)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store: dist.Store
+    if rank == 0:
+        # TCPStore alone would listen on every interface; this socket listens on MASTER_ADDR only.
+        listener = socket.create_server((host, port), family=_family(host))
+        store = dist.TCPStore(
+            host,
+            port,
+            world,
+            is_master=True,
+            timeout=PROCESS_GROUP_TIMEOUT,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
+    else:
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=PROCESS_GROUP_TIMEOUT)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT
+    )
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
+
+
+def _train_and_compare(
+    options: Options, mesh: ParallelMesh, device: torch.device, started: float
+) -> bool:
+    """Train on every rank (and the replica on rank 0); the verdict, the same on every rank."""
+    torch.manual_seed(options.seed)
+    model = TinyWeatherModel(options.model).to(device)
+    # The replica starts from the very weights the parallel model is sharded from.
+    replica = _Replica(copy.deepcopy(model), options, device) if dist.get_rank() == 0 else None
+    parallelize(model, mesh.tp, mesh.dp)
+    run = _ParallelRun(model, mesh, options, device)
+    if replica is not None:
+        _report.ready(options, sum(p.numel() for p in replica.model.parameters()), started)
+    for step in range(1, options.steps + 1):
+        torch_clip = run.step(step)
+        if replica is not None:
+            replica.step(step)
+            if step == 1:
+                _report.torch_clip(torch_clip)
+                _report.header()
+            _report.row(step, run.history, replica.history)
+    weights = _weights_difference(run.model, replica)
+    same_bits = _same_bits_everywhere(run.history)
+    passed = replica is not None and _report.verdict(
+        options, run.history, replica.history, weights, same_bits, started
+    )
+    flag = torch.tensor([1.0 if passed else 0.0], device=device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+class _ParallelRun:
+    """The trainer loop on this rank's share of the data, model and latitude bands."""
+
+    def __init__(
+        self, model: nn.Module, mesh: ParallelMesh, options: Options, device: torch.device
+    ) -> None:
+        self.model, self.mesh, self.options, self.device = model, mesh, options, device
+        if not isinstance(model, FSDPModule):
+            raise TypeError("the model must be wrapped by fully_shard")
+        self.fsdp: FSDPModule = model
+        self.optimizer = _optimizer(model, options)
+        coordinate = mesh.world.get_coordinate()
+        assert coordinate is not None
+        self.dp_rank, _, domain_rank = coordinate
+        self.rows = band(options.model.lat, options.domain, domain_rank)
+        self.weights = latitude_weights(options.model).to(device)
+        self.history = History()
+
+    def step(self, step: int) -> str | None:
+        """One optimizer step, recorded in ``history``; at step 1, torch's clip's error if any."""
+        o = self.options
+        total = torch.zeros((), device=self.device)
+        for micro in range(o.accum):
+            # FSDP2 reduce-scatters only at the accumulation boundary.
+            self.fsdp.set_requires_gradient_sync(micro == o.accum - 1)
+            x, y = global_batch(o.model, o.dp * o.micro_batch, o.seed, step, micro)
+            x, y = (t.chunk(o.dp)[self.dp_rank].to(self.device) for t in (x, y))
+            loss = band_loss(self.model(x), y, self.weights, self.rows, o.domain)
+            (loss / o.accum).backward()
+            total += loss.detach()
+        sync_domain_gradients(self.model, self.mesh.domain)
+        sync_replicated_gradients(self.model, self.mesh.tp)
+        torch_clip = _try_torch_clip(self.model) if step == 1 else None
+        norm = clip_grad_norm_(self.model.parameters(), o.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        mean_loss = total / o.accum
+        all_reduce_avg(mean_loss)  # the mean over bands and over dp shards: the global loss
+        self.history.record(float(mean_loss), float(norm))
+        return torch_clip
+
+
+class _Replica:
+    """The same model and data in one process, with torch's own clip_grad_norm_."""
+
+    def __init__(self, model: nn.Module, options: Options, device: torch.device) -> None:
+        self.model, self.options, self.device = model, options, device
+        self.optimizer = _optimizer(model, options)
+        self.weights = latitude_weights(options.model).to(device)
+        self.history = History()
+
+    def step(self, step: int) -> None:
+        """One optimizer step on the whole global batch, recorded in ``history``."""
+        o = self.options
+        total = torch.zeros((), device=self.device)
+        every_row = band(o.model.lat, 1, 0)
+        for micro in range(o.accum):
+            x, y = global_batch(o.model, o.dp * o.micro_batch, o.seed, step, micro)
+            x, y = x.to(self.device), y.to(self.device)
+            loss = band_loss(self.model(x), y, self.weights, every_row, 1)
+            (loss / o.accum).backward()
+            total += loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.history.record(float(total / o.accum), float(norm))
+
+
+def _optimizer(model: nn.Module, options: Options) -> torch.optim.Optimizer:
+    if options.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=options.lr, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.01)
+
+
+def _try_torch_clip(model: nn.Module) -> str | None:
+    """torch's clip_grad_norm_ on the parallel layout: None if it works, else its error.
+
+    ``max_norm=inf`` keeps the gradients as they are should it succeed. It fails, where it does,
+    in a local dispatch check before any collective, on every rank alike.
+    """
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=math.inf)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _weights_difference(model: nn.Module, replica: _Replica | None) -> float:
+    """Largest relative difference, tensor by tensor (norm-wise), of the trained weights."""
+    worst = 0.0
+    reference = dict(replica.model.named_parameters()) if replica is not None else {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param  # collective
+        if replica is not None:
+            ref = reference[name].detach()
+            diff = torch.linalg.vector_norm(full.detach() - ref) / torch.linalg.vector_norm(ref)
+            worst = max(worst, float(diff))
+    return worst
+
+
+def _same_bits_everywhere(history: History) -> bool:
+    """Whether every rank recorded the same bits of every step's loss and grad norm."""
+    values = torch.tensor(history.loss + history.norm, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        values = values.cuda()
+    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, values)
+    bits = [g.view(torch.int64) for g in gathered]
+    return all(torch.equal(b, bits[0]) for b in bits)

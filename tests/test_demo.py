@@ -1,0 +1,244 @@
+"""``python -m credit.parallel demo``: real launches of real ranks, parity with one process.
+
+Each test starts the command line in its own processes (the demo launches its ranks through
+torch's elastic launcher), then checks the exit status, the verdict line and the per-step table.
+The oracle is the single-process replica the demo trains on rank 0 with torch's own
+``clip_grad_norm_``: the table prints both runs' loss and grad norm, and the relative differences
+are recomputed here from the printed values.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from credit.parallel.demo import DEFAULT_RTOL, main
+
+# The demo's tolerance, 1e-4 relative: about 840 float32 ULPs at any magnitude (one ULP is at
+# most 2**-23 ~ 1.19e-7 relative). The sharded run rounds differently from the replica (TP splits
+# the projections' sums, FSDP2 and domain averaging add in another order); measured on these
+# layouts, the loss and grad norm differ by at most a few ULPs over a few steps.
+RTOL = 1e-4
+# The table prints 8 significant digits: a relative difference recomputed from printed values
+# is off by at most 1e-7 from the one computed on the full values.
+PRINT_SLACK = 1e-7
+LAUNCH_TIMEOUT_S = 240
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+ROW = re.compile(r"^\s*(\d+)" + r"\s+(\S+)" * 6 + r"\s*$")
+VERDICT_FIGURES = re.compile(
+    r"max relative difference (\S+) \(loss\), (\S+) \(grad norm\), (\S+) \(weights\)"
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    step: int
+    loss: float
+    ref_loss: float
+    loss_rel: float
+    norm: float
+    ref_norm: float
+    norm_rel: float
+
+
+def _env() -> dict[str, str]:
+    """This environment without torchrun's variables (the demo would run in place)."""
+    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+
+
+def _demo_command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "credit.parallel", "demo", *args]
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=_env()
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _table(stdout: str) -> list[Row]:
+    lines = stdout.splitlines()
+    headers = [i for i, line in enumerate(lines) if line.split()[:2] == ["step", "loss"]]
+    assert len(headers) == 1, stdout
+    rows = []
+    for line in lines[headers[0] + 1 :]:
+        match = ROW.match(line)
+        if match is None:
+            break
+        step, *values = match.groups()
+        rows.append(Row(int(step), *map(float, values)))
+    return rows
+
+
+def _verdicts(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith(("PASS:", "FAIL:"))]
+
+
+def _relative(value: float, reference: float) -> float:
+    return abs(value - reference) / abs(reference)
+
+
+def _check_parity(stdout: str, steps: int) -> None:
+    """Every step present, every printed difference right and within the tolerance."""
+    rows = _table(stdout)
+    assert [row.step for row in rows] == list(range(1, steps + 1)), stdout
+    for row in rows:
+        for value, ref, printed in (
+            (row.loss, row.ref_loss, row.loss_rel),
+            (row.norm, row.ref_norm, row.norm_rel),
+        ):
+            assert abs(_relative(value, ref) - printed) <= PRINT_SLACK, (row, stdout)
+            assert printed <= RTOL, (row, stdout)
+    (verdict,) = _verdicts(stdout)
+    assert verdict.startswith("PASS:"), stdout
+    figures = VERDICT_FIGURES.search(verdict)
+    assert figures is not None, verdict
+    # The verdict's maxima are the table's, as printed (one digit after the point).
+    assert float(figures[1]) == float(f"{max(r.loss_rel for r in rows):.1e}")
+    assert float(figures[2]) == float(f"{max(r.norm_rel for r in rows):.1e}")
+    assert float(figures[3]) <= RTOL
+
+
+def _check_clean_output(result: subprocess.CompletedProcess[str], world: int) -> None:
+    """Rank 0 alone prints, and nothing of torch's own (warnings, logs) reaches the console."""
+    assert result.stderr == ""
+    assert sum(f"{world} ranks up in" in line for line in result.stdout.splitlines()) == 1
+
+
+def test_default_tolerance_is_the_one_checked_here() -> None:
+    assert DEFAULT_RTOL == RTOL
+
+
+def test_dp2_tp2_matches_the_replica() -> None:
+    result = _run(_demo_command(["--steps", "3"]))
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "launching 4 ranks (dp=2 x tp=2 x domain=1, gloo, fork) ..."
+    # torch's own clip fails on this layout (TP'd params on (dp, tp), the rest on dp).
+    (torch_line,) = [line for line in lines if line.startswith("torch.nn.utils.clip_grad_norm_")]
+    assert "must have the same mesh" in torch_line
+    _check_parity(result.stdout, steps=3)
+    _check_clean_output(result, world=4)
+
+
+def test_dp2_tp2_domain2_on_eight_ranks_matches_the_replica() -> None:
+    result = _run(_demo_command(["--domain", "2", "--steps", "2", "--accum", "2"]))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "launching 8 ranks (dp=2 x tp=2 x domain=2" in result.stdout
+    assert "each domain rank's loss on its own band of 8 latitude rows" in result.stdout
+    _check_parity(result.stdout, steps=2)
+    _check_clean_output(result, world=8)
+
+
+def test_two_nodes_on_loopback_match_the_replica() -> None:
+    """Two launchers (nodes), 2 ranks each, join one c10d rendezvous on 127.0.0.1."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint]
+    nodes = [
+        subprocess.Popen(
+            _demo_command([*common, "--node-rank", str(rank), "--steps", "2"]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        for rank in (0, 1)
+    ]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=LAUNCH_TIMEOUT_S))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    report = "\n".join(out + err for out, err in outputs)
+    assert [node.returncode for node in nodes] == [0, 0], report
+    for rank, (stdout, stderr) in enumerate(outputs):
+        assert stdout.startswith(f"node {rank} of 2: launching 2 of 4 ranks"), report
+        assert stderr == "", report
+    # Global rank 0, which prints, lives on whichever node the rendezvous made first.
+    printed = [stdout for stdout, _ in outputs if _verdicts(stdout)]
+    assert len(printed) == 1, report
+    _check_parity(printed[0], steps=2)
+
+
+def test_the_check_catches_a_missing_domain_sync() -> None:
+    """Without the domain sync each rank steps on its own band's gradient: the demo must fail."""
+    code = (
+        "import sys, credit.parallel.demo._train as train\n"
+        "train.sync_domain_gradients = lambda model, group: None\n"
+        "from credit.parallel.demo import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    args = ["--dp", "1", "--tp", "1", "--domain", "2", "--steps", "2", "--accum", "1"]
+    result = _run([sys.executable, "-c", code, *args])
+    assert result.returncode == 1, result.stdout + result.stderr
+    (verdict,) = _verdicts(result.stdout)
+    assert verdict.startswith("FAIL:"), result.stdout
+    first = _table(result.stdout)[0]
+    # Same weights at step 1, so the same loss; the gradient is the band's alone.
+    assert first.loss_rel <= RTOL
+    assert first.norm_rel > 100 * RTOL
+
+
+def test_bad_option_exits_2_before_launching() -> None:
+    result = _run(_demo_command(["--steps", "0"]))
+    assert result.returncode == 2
+    assert "argument --steps: must be a positive integer, got 0" in result.stderr
+    assert "launching" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "-1"], "argument --steps: must be a positive integer, got -1"),
+        (["--accum", "0"], "argument --accum: must be a positive integer, got 0"),
+        (["--backend", "mpi"], "argument --backend: invalid choice: 'mpi'"),
+        (
+            ["--dp", "3", "--nproc-per-node", "4"],
+            "dp * tp * domain = 3 * 2 * 1 = 6 does not equal the world of "
+            "--nnodes * --nproc-per-node = 4 ranks",
+        ),
+        (["--nproc-per-node", "3"], "tp * domain = 2 * 1 = 2 does not divide the world"),
+        (
+            ["--dp", "3", "--tp", "1", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"],
+            "= 3 ranks does not split evenly over --nnodes 2",
+        ),
+        (["--tp", "3"], "--tp 3 must divide the model's 4 attention heads"),
+        (["--domain", "17"], "--domain 17: more latitude bands than the grid's 16 rows"),
+        (["--nnodes", "2"], "--nnodes > 1 needs the rendezvous port"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1"], "below"),
+        (["--rdzv-endpoint", "127.0.0.1:70000"], "the port must be a number in 1..65535"),
+    ],
+)
+def test_bad_options_fail_fast_with_a_clear_message(
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+    def no_launch(options: object) -> int:
+        raise AssertionError(f"launched despite a bad option: {options}")
+
+    monkeypatch.setattr("credit.parallel.demo._launch.launch", no_launch)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert captured.out == ""
