@@ -2,15 +2,25 @@
 
 Tensors are packed, in order, into buckets of at most ``bucket_cap_bytes`` per (device, dtype).
 Two bucket buffers per (device, dtype) are kept between calls and used in turn: while bucket k is
-in flight, bucket k+1 is being filled. A contiguous tensor as large as a bucket is reduced in
-place, and tensors that already tile one contiguous buffer (see ``contiguous_grads_``) reduce that
-buffer directly: neither costs a copy.
+in flight, bucket k+1 is being filled and bucket k-1 copied back. A contiguous tensor as large as a
+bucket is reduced in place, and tensors that already tile one contiguous buffer (see
+``contiguous_grads_``) reduce that buffer directly: neither costs a copy. Every collective of a
+call is issued before the call returns and waited for.
+
+Collectives per call, per (device, dtype): one when the tensors tile one buffer; otherwise one per
+contiguous tensor of at least ``cap`` elements plus one per bucket, where the other non-empty
+tensors fill buckets greedily in order and a bucket closes when the next tensor would take it past
+``cap`` elements (``cap = bucket_cap_bytes // itemsize``). The buffers therefore stay within the
+cap, except for a non-contiguous tensor larger than the cap, which gets a bucket of its own size.
+
+On CPU the collective is a SUM and the division by the group size happens while the result is
+copied back. gloo's ``ReduceOp.AVG`` is itself a SUM followed by a division pass over the buffer,
+so this gives the same bits with one pass over the memory less.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -23,100 +33,186 @@ from credit.parallel._groups import supports_native_avg
 
 logger = logging.getLogger(__name__)
 
+_Kind = tuple[torch.device, torch.dtype]
+_Shapes = tuple[torch.Size, ...]
+
+
+@dataclass
+class _Slot:
+    """A bucket buffer, with the views of it already cut for the bucket layouts it has served.
+
+    Cutting a view costs microseconds of Python per tensor, more than copying a small tensor, and
+    a training loop passes the same shapes every step.
+    """
+
+    buffer: Tensor
+    views: dict[_Shapes, list[Tensor]] = field(default_factory=dict)
+
+
 # Kept between calls, as DDP keeps its buckets: two per (device, dtype), each at most the cap.
-_bucket_buffers: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+_bucket_buffers: dict[_Kind, list[_Slot]] = {}
+
+# Bucket layouts whose views each buffer keeps (the oldest is dropped first).
+_MAX_LAYOUTS_PER_BUFFER = 16
+
+# Below this many elements per tensor (on average over a bucket), one division of the whole bucket
+# followed by one foreach copy beats a division fused into a per-tensor copy (Python overhead).
+_FUSED_DIVIDE_MIN_NUMEL = 1 << 14
 
 
 @dataclass
 class _Bucket:
     tensors: list[Tensor] = field(default_factory=list)
+    shapes: list[torch.Size] = field(default_factory=list)
     numel: int = 0
 
 
+@dataclass(frozen=True)
+class _Reduction:
+    """How to average over a group: the collective's op, then a division (1 for none)."""
+
+    op: dist.ReduceOp.RedOpType
+    divisor: int
+
+
+@dataclass
+class _InFlight:
+    work: dist.Work
+    flat: Tensor
+    views: list[Tensor]
+    tensors: list[Tensor]
+
+
 def average_(tensors: list[Tensor], group: ProcessGroup | None, bucket_cap_bytes: int) -> None:
-    """Average every tensor in ``tensors`` in place over ``group`` (all ranks pass the same layout)."""
+    """Average every tensor in ``tensors`` in place over ``group`` (all ranks pass the same layout).
+
+    Args:
+        tensors: plain tensors (DTensors already unwrapped to their local shards).
+        group: the process group to average over (None for the world).
+        bucket_cap_bytes: the largest bucket, in bytes.
+    """
     world = dist.get_world_size(group)
+    in_place: list[tuple[dist.Work, Tensor, int]] = []
     for (device, dtype), same_kind in group_by_device_and_dtype(tensors).items():
-        native_avg = supports_native_avg(group, device)
-        op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
-        divisor = 1 if native_avg else world
+        reduction = _reduction(group, device, world)
         base = _tiled_buffer(same_kind)
         if base is not None:
-            _reduce(base, op, group, divisor)
+            in_place.append(_launch(base, reduction, group))
             continue
         cap = max(1, bucket_cap_bytes // dtype.itemsize)
-        direct = [t for t in same_kind if t.numel() >= cap and t.is_contiguous()]
-        for tensor in direct:
-            _reduce(tensor, op, group, divisor)
-        packed = [
-            t for t in same_kind if t.numel() > 0 and not (t.numel() >= cap and t.is_contiguous())
-        ]
-        _reduce_in_buckets(packed, (device, dtype), cap, op, group, divisor)
+        direct, packed = _split_direct(same_kind, cap)
+        in_place.extend(_launch(tensor, reduction, group) for tensor in direct)
+        _reduce_in_buckets(packed, (device, dtype), cap, reduction, group)
+    for work, tensor, divisor in in_place:
+        work.wait()
+        if divisor != 1:
+            tensor.div_(divisor)
 
 
-def _reduce(tensor: Tensor, op: dist.ReduceOp.RedOpType, group: ProcessGroup | None, divisor: int) -> None:
-    dist.all_reduce(tensor, op=op, group=group)
-    if divisor != 1:
-        tensor.div_(divisor)
+def _reduction(group: ProcessGroup | None, device: torch.device, world: int) -> _Reduction:
+    if device.type != "cpu" and supports_native_avg(group, device):
+        return _Reduction(dist.ReduceOp.AVG, 1)
+    return _Reduction(dist.ReduceOp.SUM, world)
+
+
+def _launch(
+    tensor: Tensor, reduction: _Reduction, group: ProcessGroup | None
+) -> tuple[dist.Work, Tensor, int]:
+    work = dist.all_reduce(tensor, op=reduction.op, group=group, async_op=True)
+    assert work is not None
+    return work, tensor, reduction.divisor
+
+
+def _split_direct(tensors: list[Tensor], cap: int) -> tuple[list[Tensor], list[Tensor]]:
+    """(tensors reduced in place, non-empty tensors that go through buckets)."""
+    direct: list[Tensor] = []
+    packed: list[Tensor] = []
+    for tensor in tensors:
+        numel = tensor.numel()
+        if numel >= cap and tensor.is_contiguous():
+            direct.append(tensor)
+        elif numel > 0:
+            packed.append(tensor)
+    return direct, packed
 
 
 def _reduce_in_buckets(
     tensors: list[Tensor],
-    kind: tuple[torch.device, torch.dtype],
+    kind: _Kind,
     cap: int,
-    op: dist.ReduceOp.RedOpType,
+    reduction: _Reduction,
     group: ProcessGroup | None,
-    divisor: int,
 ) -> None:
-    buckets = list(_pack(tensors, cap))
+    buckets = _pack(tensors, cap)
     if not buckets:
         return
-    buffers = _buffers(kind, max(b.numel for b in buckets), count=min(2, len(buckets)))
-    in_flight: tuple[dist.Work, Tensor, _Bucket] | None = None
+    slots = _slots(kind, max(b.numel for b in buckets), count=min(2, len(buckets)))
+    in_flight: _InFlight | None = None
     for index, bucket in enumerate(buckets):
-        flat = buffers[index % 2][: bucket.numel]
-        torch._foreach_copy_(_views(flat, bucket.tensors), bucket.tensors)
-        work = dist.all_reduce(flat, op=op, group=group, async_op=True)
+        slot = slots[index % 2]
+        flat = slot.buffer[: bucket.numel]
+        views = _views(slot, bucket)
+        torch._foreach_copy_(views, bucket.tensors)
+        work = dist.all_reduce(flat, op=reduction.op, group=group, async_op=True)
+        assert work is not None
         if in_flight is not None:
-            _finish(*in_flight, divisor)
-        in_flight = (work, flat, bucket)
+            _copy_back(in_flight, reduction.divisor)
+        in_flight = _InFlight(work, flat, views, bucket.tensors)
     assert in_flight is not None
-    _finish(*in_flight, divisor)
+    _copy_back(in_flight, reduction.divisor)
 
 
-def _finish(work: dist.Work, flat: Tensor, bucket: _Bucket, divisor: int) -> None:
-    work.wait()
-    if divisor != 1:
-        flat.div_(divisor)
-    torch._foreach_copy_(bucket.tensors, _views(flat, bucket.tensors))
+def _copy_back(done: _InFlight, divisor: int) -> None:
+    done.work.wait()
+    if divisor == 1:
+        torch._foreach_copy_(done.tensors, done.views)
+    elif done.flat.numel() >= _FUSED_DIVIDE_MIN_NUMEL * len(done.tensors):
+        for view, tensor in zip(done.views, done.tensors, strict=True):
+            torch.div(view, divisor, out=tensor)
+    else:
+        done.flat.div_(divisor)
+        torch._foreach_copy_(done.tensors, done.views)
 
 
-def _pack(tensors: list[Tensor], cap: int) -> Iterator[_Bucket]:
+def _pack(tensors: list[Tensor], cap: int) -> list[_Bucket]:
+    buckets: list[_Bucket] = []
     bucket = _Bucket()
     for tensor in tensors:
-        if bucket.tensors and bucket.numel + tensor.numel() > cap:
-            yield bucket
+        numel = tensor.numel()
+        if bucket.tensors and bucket.numel + numel > cap:
+            buckets.append(bucket)
             bucket = _Bucket()
         bucket.tensors.append(tensor)
-        bucket.numel += tensor.numel()
+        bucket.shapes.append(tensor.shape)
+        bucket.numel += numel
     if bucket.tensors:
-        yield bucket
+        buckets.append(bucket)
+    return buckets
 
 
-def _views(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
-    pieces = flat.split([t.numel() for t in tensors])
-    return [piece.view(t.shape) for piece, t in zip(pieces, tensors, strict=False)]
+def _views(slot: _Slot, bucket: _Bucket) -> list[Tensor]:
+    """Views of the start of ``slot``'s buffer, one per tensor of ``bucket``, in order."""
+    shapes = tuple(bucket.shapes)
+    views = slot.views.get(shapes)
+    if views is None:
+        pieces = slot.buffer[: bucket.numel].split([t.numel() for t in bucket.tensors])
+        views = [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
+        if len(slot.views) >= _MAX_LAYOUTS_PER_BUFFER:
+            del slot.views[next(iter(slot.views))]
+        slot.views[shapes] = views
+    return views
 
 
-def _buffers(kind: tuple[torch.device, torch.dtype], numel: int, count: int) -> list[Tensor]:
-    buffers = _bucket_buffers.setdefault(kind, [])
+def _slots(kind: _Kind, numel: int, count: int) -> list[_Slot]:
+    slots = _bucket_buffers.setdefault(kind, [])
     for index in range(count):
-        if index == len(buffers):
-            buffers.append(torch.empty(0, device=kind[0], dtype=kind[1]))
-        if buffers[index].numel() < numel:
+        if index == len(slots):
+            slots.append(_Slot(torch.empty(0, device=kind[0], dtype=kind[1])))
+        if slots[index].buffer.numel() < numel:
             logger.debug("bucket buffer %d for %s grows to %d elements", index, kind, numel)
-            buffers[index] = torch.empty(numel, device=kind[0], dtype=kind[1])
-    return buffers
+            slots[index] = _Slot(torch.empty(0))  # free the old buffer (and its views) first
+            slots[index] = _Slot(torch.empty(numel, device=kind[0], dtype=kind[1]))
+    return slots
 
 
 def _tiled_buffer(tensors: list[Tensor]) -> Tensor | None:
@@ -132,3 +228,17 @@ def _tiled_buffer(tensors: list[Tensor]) -> Tensor | None:
             return None
         offset += tensor.numel()
     return base if offset == base.storage_offset() + base.numel() else None
+
+
+def kept_buffer_bytes() -> int:
+    """Bytes held between calls by the bucket buffers, over every (device, dtype)."""
+    return sum(
+        slot.buffer.numel() * slot.buffer.element_size()
+        for slots in _bucket_buffers.values()
+        for slot in slots
+    )
+
+
+def release_buffers() -> None:
+    """Drop the kept bucket buffers (the next call allocates them again)."""
+    _bucket_buffers.clear()
