@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
 
 from credit.parallel import _ownership
 from credit.parallel._foreach import group_indices_by_device_and_dtype, use_foreach
@@ -43,13 +43,16 @@ def stacked_norms(
         return None
     first_device = tensors[0].device
     norms: list[Tensor] = []
-    for (device, tensor_dtype), indices in group_indices_by_device_and_dtype(tensors).items():
+    groups = group_indices_by_device_and_dtype(tensors)
+    for (device, tensor_dtype), indices in groups.items():
         keep = [counted[i] and (norm_type != math.inf or tensors[i].numel() > 0) for i in indices]
         kept = [tensors[i] for i, k in zip(indices, keep, strict=True) if k]
         kept_norms = iter(_norms_of(kept, norm_type, foreach, dtype, device) if kept else [])
         zero = torch.zeros((), dtype=dtype or tensor_dtype.to_real(), device=device)
         norms.extend(next(kept_norms) if k else zero for k in keep)
-    return torch.stack([n.to(first_device) for n in norms])
+    if any(device != first_device for device, _ in groups):  # .to() is a dispatch per norm
+        norms = [n.to(first_device) for n in norms]
+    return torch.stack(norms)
 
 
 def local_norm(
@@ -121,22 +124,33 @@ def plan(grads: list[Tensor], pp_group: GroupLike) -> NormPlan:
         groups.append(pp_process_group)
 
     counts_plain = _ownership.counts_replicated(root, distinct)
-    counts_by_spec: dict[tuple[int, tuple], bool] = {}
+    # Keyed by spec object: FSDP2 and TP share a few specs among hundreds of gradients.
+    counts_by_spec: dict[int, bool] = {}
     local, counted = [], []
-    for grad in grads:
+    for index, grad in enumerate(grads):
         if not isinstance(grad, DTensor):
             local.append(grad)
             counted.append(counts_plain)
             continue
-        mesh, placements = grad.device_mesh, tuple(grad.placements)
-        key = (id(mesh), placements)
-        if key not in counts_by_spec:
-            counts_by_spec[key] = _ownership.counts_shard(mesh, placements, distinct)
+        spec = grad._spec
+        if id(spec) not in counts_by_spec:
+            placements = tuple(spec.placements)
+            _check_not_partial(index, placements)
+            counts_by_spec[id(spec)] = _ownership.counts_shard(spec.mesh, placements, distinct)
         # _local_tensor skips to_local()'s autograd bookkeeping, microseconds per gradient.
         local.append(grad._local_tensor)
-        counted.append(counts_by_spec[key])
+        counted.append(counts_by_spec[id(spec)])
     device = grads[0].device if grads else torch.device(root.device_type)
     return NormPlan(local, counted, groups, layout_groups=root_groups, device=device)
+
+
+def _check_not_partial(index: int, placements: tuple[Placement, ...]) -> None:
+    if any(placement.is_partial() for placement in placements):
+        raise ValueError(
+            f"grads[{index}] is a DTensor with a Partial placement {placements}: its local values "
+            "are unreduced, so their norm is not the gradient's. Reduce it first, e.g. "
+            "grad.redistribute(placements=[Replicate() ...])"
+        )
 
 
 def _sliced_from(group: GroupLike) -> DeviceMesh | None:

@@ -54,7 +54,7 @@ def all_reduce_avg(tensor: Tensor, group: GroupLike = None) -> None:
     """
     if not isinstance(tensor, Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    _inputs.check_grads([tensor], "tensor", allow_partial=True)
+    _inputs.check_grads([tensor], "tensor")
     process_group = resolve_group(group)
     if group_size(process_group) == 1:
         return
@@ -100,7 +100,7 @@ def allreduce_grads_avg(
         RuntimeError: with the check on, ranks passed different layouts.
     """
     grad_list = _inputs.tensor_list(grads, "grads")
-    _inputs.check_grads(grad_list, "grads", allow_partial=True)
+    _inputs.check_grads(grad_list, "grads")
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
     process_group = resolve_group(group)
@@ -225,7 +225,7 @@ def _total_norm(
     check: bool | None,
 ) -> Tensor:
     order = _inputs.norm_order(norm_type)
-    _inputs.check_grads(grads, "grads", allow_partial=False)
+    _inputs.check_grads(grads, "grads")
     plan = _norms.plan(grads, pp_group)
     if plan.groups and not order > 0:
         raise ValueError(f"norm_type must be positive or inf for distributed grads, got {order}")

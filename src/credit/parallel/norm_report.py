@@ -98,7 +98,7 @@ def grad_norm_report(
         raise ValueError(f"norm_type must be positive or inf, got {order}")
     named = _named_grads(named_parameters)
     grads = [grad for _, grad, _ in named]
-    _inputs.check_grads(grads, "grads", allow_partial=False)
+    _inputs.check_grads(grads, "grads")
     keys = [_group_name(group_by, name, param) for name, _, param in named]
     plan = _norms.plan(grads, pp_group)
     pp_process_group = resolve_group(pp_group, "pp_group") if plan.groups else None
