@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from credit.parallel import _buckets, allreduce_grads_avg, contiguous_grads_
+from credit.parallel.bench._memory import extra_memory
 
 MiB = 2**20
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16}
@@ -207,21 +208,9 @@ def test_one_collective_per_bucket(ranks, cap_bytes):
 
 
 def _memory_of(call) -> tuple[int, int]:
-    """(peak extra bytes, largest single allocation) of ``call``, from the profiler's events."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        call()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    running = peak = largest = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-        largest = max(largest, nbytes)
-    return peak, largest
+    """(peak extra bytes, largest single allocation) of ``call``, as the benchmark measures it."""
+    use = extra_memory(call, torch.device("cpu"))
+    return use.peak_bytes, use.largest_bytes
 
 
 CAP = 256 * 1024  # 64 Ki floats

@@ -34,6 +34,18 @@ def resolve_group(group: GroupLike, argument: str = "group") -> ProcessGroup | N
     )
 
 
+def peer_group(group: GroupLike, argument: str) -> ProcessGroup | None:
+    """The ProcessGroup a sync averages over, or None when there is nothing to do.
+
+    For the sync functions None means "no such parallelism", not "the world"; a group of one
+    rank has nothing to average either.
+    """
+    if group is None:
+        return None
+    process_group = resolve_group(group, argument)
+    return process_group if group_size(process_group) > 1 else None
+
+
 def group_size(group: ProcessGroup | None) -> int:
     """Size of ``group``, or 1 when torch.distributed is not initialised."""
     return dist.get_world_size(group) if is_distributed() else 1

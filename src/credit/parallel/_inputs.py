@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Iterable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 TensorOrTensors = Tensor | Iterable[Tensor]
@@ -34,6 +34,15 @@ def tensor_list(tensors: TensorOrTensors | Iterable[Tensor | None], argument: st
                 f"{argument}[{index}] is a {type(item).__name__}, expected a torch.Tensor"
             )
     return [item for item in items if item is not None]
+
+
+def module_parameters(model_or_params: nn.Module | TensorOrTensors) -> list[Tensor]:
+    """The parameters of a module, or the given tensors, each once and in order."""
+    if isinstance(model_or_params, nn.Module):
+        return list(model_or_params.parameters())
+    params = tensor_list(model_or_params, "model_or_params")
+    # A tensor listed twice would be averaged twice; dict keys keep the first of each, in order.
+    return list(dict.fromkeys(params))
 
 
 def parameter_list(parameters: TensorOrTensors) -> list[Tensor]:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from credit.parallel import _inputs
-from credit.parallel._groups import GroupLike, group_size, resolve_group
+from credit.parallel._groups import GroupLike, peer_group
 from credit.parallel._inputs import TensorOrTensors
 from credit.parallel.collectives import allreduce_grads_avg
 
@@ -54,19 +54,8 @@ def sync_domain_gradients(
         ValueError: ``group`` is a DeviceMesh with more than one dim, or a gradient is sparse.
         RuntimeError: with the check on, ranks passed different layouts.
     """
-    params = _parameter_list(model_or_params)
-    if group is None:
-        return
-    process_group = resolve_group(group, "group")
-    if group_size(process_group) == 1:
+    params = _inputs.module_parameters(model_or_params)
+    process_group = peer_group(group, "group")
+    if process_group is None:
         return
     allreduce_grads_avg([p.grad for p in params], process_group, check=check)
-
-
-def _parameter_list(model_or_params: nn.Module | TensorOrTensors) -> list[torch.Tensor]:
-    """The parameters of a module, or the given tensors, each once and in order."""
-    if isinstance(model_or_params, nn.Module):
-        return list(model_or_params.parameters())
-    params = _inputs.tensor_list(model_or_params, "model_or_params")
-    # A tensor listed twice would be averaged twice; dict keys keep the first of each, in order.
-    return list(dict.fromkeys(params))

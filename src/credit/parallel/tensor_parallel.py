@@ -14,10 +14,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from credit.parallel._groups import GroupLike, group_size, resolve_group
+from credit.parallel import _inputs
+from credit.parallel._groups import GroupLike, peer_group
 from credit.parallel._inputs import TensorOrTensors
 from credit.parallel.collectives import allreduce_grads_avg
-from credit.parallel.domain import _parameter_list
 
 try:  # the right-to-left shard of FSDP2 + TP; no longer a Shard subclass in recent torch
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -89,11 +89,9 @@ def sync_replicated_gradients(
         ValueError: ``tp_group`` is a DeviceMesh with more than one dim, or a gradient is sparse.
         RuntimeError: with the check on, ranks passed different layouts.
     """
-    params = _parameter_list(model_or_params)
-    if tp_group is None:
-        return
-    process_group = resolve_group(tp_group, "tp_group")
-    if group_size(process_group) == 1:
+    params = _inputs.module_parameters(model_or_params)
+    process_group = peer_group(tp_group, "tp_group")
+    if process_group is None:
         return
     dim = tp_dim if tp_dim is not None else _group_dim_name(tp_group)
     replicated = [p.grad for p in params if p.grad is not None and not _param_sharded(p, dim)]
