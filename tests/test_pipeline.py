@@ -235,3 +235,31 @@ def test_stage_without_dtensor_grads_joins_the_same_collective(ranks, kind):
             assert distance <= TOLERANCE_ULP, f"{kind} p={norm_type}: {distance} ULP"
             assert same_bits
             assert collectives == 1
+
+
+def _stages_with_different_dtypes() -> tuple[int, bool, str]:
+    """Stage 0 holds bf16 plain grads, stage 1 none at all: their collectives must still match."""
+    pp_dp = mesh((2, 2), ("pp", "dp"))
+    coordinate = pp_dp.get_coordinate()
+    assert coordinate is not None
+    stage = coordinate[0]
+    model = nn.Linear(8, 8).to(torch.bfloat16)
+    if stage == 0:
+        torch.manual_seed(0)
+        model(torch.randn(4, 8, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+    stage_grads = grads(model)
+    reference_grads = all_stages(stage, [g.double() for g in stage_grads])
+    ours = total_grad_norm(stage_grads, 2.0, pp_group=pp_dp["pp"])
+    reference = torch.nn.utils.get_total_norm(reference_grads, 2.0)
+    # bf16 keeps 8 bits: the stage's own bf16 norm is within 2**-8 of the fp64 reference.
+    close = abs(float(ours) - float(reference)) <= 2**-8 * float(reference)
+    return stage, close and same_bits_everywhere(ours.double()), str(ours.dtype)
+
+
+def test_stages_with_different_dtypes_or_no_grads_reduce_together(ranks):
+    results = ranks.run(4, _stages_with_different_dtypes, timeout_s=60)
+    assert all(ok for _, ok, _ in results)
+    assert {stage: dtype for stage, _, dtype in results} == {
+        0: "torch.bfloat16",
+        1: "torch.float32",
+    }

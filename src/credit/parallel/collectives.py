@@ -233,17 +233,17 @@ def _total_norm(
         layout = [_global_layout(g) for g in grads]
         settings = f"norm_type={order} dtype={dtype}"
         verify_same_layout(layout, plan.layout_groups, plan.device, "total_grad_norm", settings)
+    result_dtype = _norms.result_dtype(grads, dtype)
     if pp_group is None:
         local = _norms.stacked_norms(plan.local, plan.counted, order, foreach, dtype)
-    else:  # stages hold different gradients: each rank contributes one scalar
+        reduce_dtype = result_dtype
+    else:
+        # Stages hold different gradients, maybe of different dtypes (or none): each rank sends
+        # one scalar, in float64 on every stage so that the collectives match.
         local = _norms.local_norm(plan.counted_local(), order, foreach, dtype)
-    total = _norms.global_norm(
-        local,
-        order,
-        plan.groups,
-        _norms.result_dtype(grads, dtype),
-        plan.device,
-    )
+        reduce_dtype = torch.float64
+    total = _norms.global_norm(local, order, plan.groups, reduce_dtype, plan.device)
+    total = total.to(result_dtype)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
             f"The total norm of order {order} for gradients from `parameters` is non-finite, so it "

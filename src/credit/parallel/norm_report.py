@@ -104,7 +104,8 @@ def grad_norm_report(
     pp_process_group = resolve_group(pp_group, "pp_group") if plan.groups else None
     names = _report_names(keys, group_by, groups, pp_process_group)
     by_name = _counted_by_name(names, keys, plan.local, plan.counted)
-    like = torch.empty(0, dtype=_norms.result_dtype(grads, dtype), device=plan.device)
+    # float64 on every rank: stages may hold gradients of different dtypes, or none.
+    like = torch.empty(0, dtype=torch.float64, device=plan.device)
     vector = _contributions(by_name, set(keys), order, foreach, dtype, like)
     op = dist.ReduceOp.MAX if order == math.inf else dist.ReduceOp.SUM
     for group in plan.groups:
