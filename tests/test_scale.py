@@ -53,6 +53,17 @@ def _count(call) -> int:
     return mode.get_total_counts()
 
 
+def _count_with_pipeline(dp: int, tp: int) -> int:
+    """One norm over two pipeline stages: a (pp=2, dp/2, tp) mesh with pp_group its pp dim."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from credit.parallel import total_grad_norm
+
+    pp_mesh = init_device_mesh("cpu", (2, dp // 2, tp), mesh_dim_names=("pp", "dp", "tp"))
+    grads = _mixed_grads(pp_mesh["dp", "tp"])
+    return _count(lambda: total_grad_norm(grads, pp_group=pp_mesh["pp"]))
+
+
 def _counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
     """One rank of a fake dp x tp world: collectives per call (run in a fresh process)."""
     import torch
@@ -87,6 +98,7 @@ def _counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
             "total_grad_norm p=2": _count(lambda: total_grad_norm(grads, 2.0)),
             "total_grad_norm p=inf": _count(lambda: total_grad_norm(grads, math.inf)),
             "clip_grad_norm_": _count(lambda: clip_grad_norm_(params, 1.0)),
+            "total_grad_norm with pp_group": _count_with_pipeline(dp, tp),
             "allreduce_grads_avg": _count(
                 lambda: allreduce_grads_avg(replicated, world_mesh["tp"], bucket_cap_mb=cap_mb)
             ),
@@ -122,7 +134,13 @@ def test_counting_sees_the_collectives_inside_dtensor_ops(counts):
 
 @pytest.mark.parametrize("rank", ["first", "last"])
 @pytest.mark.parametrize(
-    "call", ["total_grad_norm p=2", "total_grad_norm p=inf", "clip_grad_norm_"]
+    "call",
+    [
+        "total_grad_norm p=2",
+        "total_grad_norm p=inf",
+        "clip_grad_norm_",
+        "total_grad_norm with pp_group",
+    ],
 )
 def test_one_collective_per_norm_on_mixed_meshes_at_1024_ranks(counts, call, rank):
     assert counts[rank][call] == 1

@@ -89,6 +89,7 @@ def _scale_case(timeout_s: float) -> Case:
     expected = {
         "total_grad_norm": 1,
         "clip_grad_norm_": 1,
+        "total_grad_norm with pp_group": 1,
         "allreduce_grads_avg": counts[worlds[0]]["expected_buckets"],
     }
     for name, want in expected.items():
@@ -99,7 +100,10 @@ def _scale_case(timeout_s: float) -> Case:
             holds = holds and all(counts[world]["expected_buckets"] == want for world in worlds)
         value = " / ".join(map(str, seen))
         case.rows.append(Row("G6", label, value, f"{want} at every size", holds, "count"))
-    case.notes.append("mesh (world/8, 8) as (dp, tp); averaging over tp, 8 KiB buckets")
+    case.notes.append(
+        "mesh (world/8, 8) as (dp, tp); averaging over tp, 8 KiB buckets; with pp_group: "
+        "(2, world/(2*tp), tp) as (pp, dp, tp) with tp = min(8, world/2), two pipeline stages"
+    )
     return case
 
 

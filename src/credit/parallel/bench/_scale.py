@@ -27,15 +27,14 @@ BLOCKS = 40
 BUCKET_CAP_MB = 1 / 128
 
 
-def _mixed_grads(world_mesh: DeviceMesh) -> list[Tensor]:
-    dp = world_mesh["dp"]
+def _mixed_grads(dp: DeviceMesh, dp_tp: DeviceMesh) -> list[Tensor]:
     grads: list[Tensor] = []
     for _ in range(BLOCKS):
         grads.append(DTensor.from_local(torch.randn(4, 64), dp, [Shard(0)], run_check=False))
         grads.append(DTensor.from_local(torch.randn(4), dp, [Shard(0)], run_check=False))
         for placements in ([Shard(0), Shard(0)], [Shard(0), Shard(1)], [Shard(0), Replicate()]):
             local = torch.randn(8, 16)
-            grads.append(DTensor.from_local(local, world_mesh, placements, run_check=False))
+            grads.append(DTensor.from_local(local, dp_tp, placements, run_check=False))
         grads.append(torch.randn(16))  # a plain grad, replicated everywhere
     return grads
 
@@ -61,7 +60,7 @@ def counts_at(world: int, tp: int = 8) -> dict[str, int]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         world_mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-        grads = _mixed_grads(world_mesh)
+        grads = _mixed_grads(world_mesh["dp"], world_mesh)
         params = []
         for grad in grads:
             param = nn.Parameter(torch.empty_like(grad))
@@ -75,6 +74,7 @@ def counts_at(world: int, tp: int = 8) -> dict[str, int]:
             "allreduce_grads_avg": _count(
                 lambda: allreduce_grads_avg(replicated, tp_group, bucket_cap_mb=BUCKET_CAP_MB)
             ),
+            "total_grad_norm with pp_group": _count_with_pipeline(world, tp),
             "expected_buckets": expected_buckets(
                 [g._local_tensor if isinstance(g, DTensor) else g for g in replicated],
                 int(BUCKET_CAP_MB * 2**20),
@@ -82,6 +82,15 @@ def counts_at(world: int, tp: int = 8) -> dict[str, int]:
         }
     finally:
         dist.destroy_process_group()
+
+
+def _count_with_pipeline(world: int, tp: int) -> int:
+    """Collectives of one norm over two pipeline stages: a (pp=2, dp, tp) mesh, pp_group its dim."""
+    tp = min(tp, world // 2)
+    shape = (2, world // (2 * tp), tp)
+    pp_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
+    grads = _mixed_grads(pp_mesh["dp"], pp_mesh["dp", "tp"])
+    return _count(lambda: total_grad_norm(grads, pp_group=pp_mesh["pp"]))
 
 
 def main(argv: list[str]) -> int:
