@@ -20,7 +20,6 @@ import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -29,6 +28,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from credit.parallel._store import host_store
 
 HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 90.0
@@ -85,19 +86,9 @@ class RankPool:
         self._store: Any = None
 
     def start(self) -> None:
-        import torch.distributed as dist
 
-        # The store server lives here, on a free port picked by the OS. TCPStore alone would
-        # listen on every interface, so it is handed a socket bound to loopback only.
-        listener = socket.create_server((HOST, 0))
-        self._store = dist.TCPStore(
-            HOST,
-            listener.getsockname()[1],
-            self.world_size,
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )
+        # The store server lives here, on a free loopback port picked by the OS.
+        self._store = host_store(self.world_size, HOST)
         ctx = multiprocessing.get_context("spawn")
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from credit.parallel import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+from credit.parallel._store import host_store
 
 HOST = "127.0.0.1"
 PROCESS_GROUP_TIMEOUT_S = 5.0
@@ -206,7 +207,7 @@ def _scenario_main(rank: int, world: int, port: int, scenario: str, out_dir: str
 
 def _run_scenario(scenario: str, world: int, out_dir: Path) -> dict[int, dict]:
     """Start ``world`` fresh processes on ``scenario``; each rank's exit code and outcome."""
-    store = dist.TCPStore(HOST, 0, world, is_master=True, wait_for_workers=False)
+    store = host_store(world, HOST)
     ctx = multiprocessing.get_context("spawn")
     procs = [
         ctx.Process(target=_scenario_main, args=(rank, world, store.port, scenario, str(out_dir)))

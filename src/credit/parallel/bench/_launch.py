@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from credit.parallel._store import host_store
+
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
@@ -76,7 +78,7 @@ def run_ranks(
         RuntimeError: a rank raised or died, or the run timed out.
     """
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False)
+    store = host_store(world_size, HOST)
     context = multiprocessing.get_context("spawn")
     procs, conns = [], []
     for rank in range(world_size):

@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
@@ -27,6 +26,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from credit.parallel._store import host_store
 from credit.parallel.demo import _report
 from credit.parallel.demo._cli import Options
 from credit.parallel.demo._train import (
@@ -140,23 +140,14 @@ def _rendezvous_store(options: Options) -> Iterator[int]:
         yield options.rdzv_port
         return
     host, port = options.rdzv_host, options.rdzv_port
-    family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
     try:
-        listener = socket.create_server((host, port), family=family)
+        store = host_store(host=host, port=port, timeout=timedelta(seconds=options.rdzv_timeout))
     except OSError as exc:
         raise _LaunchFailed(
             f"cannot host the rendezvous at {_join(host, port)}: {exc.strerror} "
             "(is another launcher already node 0?)"
         ) from None
-    port = listener.getsockname()[1]
-    store = dist.TCPStore(
-        host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=options.rdzv_timeout),
-        master_listen_fd=listener.detach(),
-    )
+    port = store.port
     try:
         yield port
     finally:

@@ -7,7 +7,6 @@ import copy
 import logging
 import math
 import os
-import socket
 import sys
 import time
 import traceback
@@ -21,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from credit.parallel._store import host_store
 from credit.parallel.collectives import all_reduce_avg, clip_grad_norm_
 from credit.parallel.demo import _report
 from credit.parallel.demo._cli import Options
@@ -132,26 +132,12 @@ def _init_process_group(backend: str, own_store: bool) -> None:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store: dist.Store
     if rank == 0:
-        # TCPStore alone would listen on every interface; this socket listens on MASTER_ADDR only.
-        listener = socket.create_server((host, port), family=_family(host))
-        store = dist.TCPStore(
-            host,
-            port,
-            world,
-            is_master=True,
-            timeout=PROCESS_GROUP_TIMEOUT,
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )
+        store = host_store(world, host, port, timeout=PROCESS_GROUP_TIMEOUT)
     else:
         store = dist.TCPStore(host, port, world, is_master=False, timeout=PROCESS_GROUP_TIMEOUT)
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT
     )
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
 
 
 def _train_and_compare(
