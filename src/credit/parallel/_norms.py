@@ -115,7 +115,6 @@ def plan(grads: list[Tensor], pp_group: GroupLike) -> NormPlan:
         return NormPlan(grads, [True] * len(grads), pp_groups, layout_groups=[], device=device)
 
     pp_ranks = tuple(group_ranks(pp_process_group)) if pp_process_group is not None else None
-
     distinct = _ownership.distinct_root_dims(root, pp_ranks)
     root_groups = _root_groups(root)
     groups = list(root_groups)
