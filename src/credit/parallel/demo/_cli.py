@@ -6,7 +6,9 @@ import argparse
 import ipaddress
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from credit.parallel.demo._model import ModelConfig
 
@@ -82,34 +84,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+T = TypeVar("T")
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def _number(
+    convert: Callable[[str], T], accept: Callable[[T], bool], wanted: str
+) -> Callable[[str], T]:
+    """An argparse type: ``convert`` the text, then require ``accept``; errors say ``wanted``."""
+
+    def parse(text: str) -> T:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {value}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
+_positive_int = _number(int, lambda value: value >= 1, "a positive integer")
+_non_negative_int = _number(int, lambda value: value >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda value: 0 < value < float("inf"), "a positive finite number")
 
 
 def _parser() -> argparse.ArgumentParser:
