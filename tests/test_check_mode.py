@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import build, mesh
+from layouts import build
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -159,65 +159,72 @@ def _collectives_with_and_without_check(function: str) -> dict[str, dict[str, in
     return counts
 
 
+# Added by the check: one all_reduce of a few int64 for averaging (MAX of the layout digest and of
+# its negation); for the norms that one and the self-check's, which runs on every checked call.
+CHECK_COLLECTIVES = {"allreduce_grads_avg": 1, "total_grad_norm": 2, "clip_grad_norm_": 2}
+
+
 @pytest.mark.parametrize("function", FUNCTIONS)
-def test_check_costs_exactly_one_small_collective(ranks, function):
+def test_check_costs_small_collectives(ranks, function):
     counts = ranks.run(WORLD, _collectives_with_and_without_check, function)[0]
     off, on = counts["off"], counts["on"]
     added = {op: on.get(op, 0) - off.get(op, 0) for op in set(on) | set(off)}
-    # one all_reduce of four int64 (MAX of the digest and of its negation)
-    assert {op: n for op, n in added.items() if n} == {"c10d.allreduce_": 1}, counts
+    assert {op: n for op, n in added.items() if n} == {
+        "c10d.allreduce_": CHECK_COLLECTIVES[function]
+    }, counts
     assert counts["env"] == on
     assert counts["env overridden"] == off
 
 
-def _verify_over_mesh_dims(odd_rank: int, settings_differ: bool) -> tuple[str | None, int, int]:
-    """verify_same_layout over the two dims of a (2, 2) mesh, as for a mesh short of the world.
+def _verify_with_stages(odd_rank: int, differ: str) -> tuple[str | None, int]:
+    """verify_same_layout with two pipeline stages of two ranks (stage = rank // 2).
 
-    Checking dim by dim and raising as soon as one dim's group disagrees would leave the ranks
-    whose own group agreed waiting in the next dim's collective for peers that already raised.
+    The stages pass different layouts by design; ``differ`` makes ``odd_rank`` differ from the
+    other rank of its stage ("layout") or from every rank in its settings ("settings").
     """
-    world = mesh((2, 2), ("dp", "tp"))
-    groups = [world.get_group("dp"), world.get_group("tp")]
-    agreed = ["shape=(2,) dtype=torch.float32"]
-    with CommDebugMode() as comm:
-        verify_same_layout(agreed, groups, torch.device("cpu"), "test", settings="cap=1")
-    agreed_count = comm.get_total_counts()
-    mine = agreed
-    settings = "cap=1"
+    stage = dist.get_rank() // 2
+    layout = [f"stage {stage} shape=(2,)"] * (stage + 1)
+    settings = "norm_type=2.0"
     if dist.get_rank() == odd_rank:
-        if settings_differ:
-            settings = "cap=2"
-        else:
-            mine = ["shape=(3,) dtype=torch.float32"]
+        if differ == "layout":
+            layout = [*layout[:-1], f"stage {stage} shape=(3,)"]
+        elif differ == "settings":
+            settings = "norm_type=1.0"
     message = None
     with CommDebugMode() as comm:
         try:
-            verify_same_layout(mine, groups, torch.device("cpu"), "test", settings=settings)
+            verify_same_layout(layout, None, torch.device("cpu"), "test", settings, (stage, 2))
         except RuntimeError as error:
             message = str(error)
-    return message, agreed_count, comm.get_total_counts()
+    return message, comm.get_total_counts()
 
 
-@pytest.mark.parametrize("odd_rank", [0, 3])
-def test_check_over_several_groups_raises_everywhere(ranks, odd_rank):
-    results = ranks.run(WORLD, _verify_over_mesh_dims, odd_rank, False)
-    messages = {message for message, _, _ in results}
+def test_stages_are_compared_within_themselves(ranks):
+    """Stages hold different gradients: no error, in one collective."""
+    for message, collectives in ranks.run(WORLD, _verify_with_stages, -1, "none"):
+        assert message is None
+        assert collectives == 1
+
+
+@pytest.mark.parametrize("odd_rank", [1, 2, 3])
+def test_a_rank_differing_from_its_stage_raises_everywhere(ranks, odd_rank):
+    results = ranks.run(WORLD, _verify_with_stages, odd_rank, "layout")
+    messages = {message for message, _ in results}
     assert len(messages) == 1 and None not in messages, messages
     (message,) = messages
-    # the lowest rank is the reference; the first rank that differs from it is named
-    if odd_rank == 0:
-        assert "rank 0 has shape=(3,) dtype=torch.float32, rank 1 has shape=(2,)" in message
-    else:
-        assert (
-            f"rank 0 has shape=(2,) dtype=torch.float32, rank {odd_rank} has shape=(3,)" in message
-        )
-    # one all_reduce per group when the layouts agree
-    assert all(agreed == 2 for _, agreed, _ in results)
+    stage = odd_rank // 2
+    assert f"ranks of pipeline stage {stage} passed different gradient layouts" in message
+    # the lowest rank of the stage is the reference, compared with the first rank that differs
+    reference, other = 2 * stage, 2 * stage + 1
+    shapes = {rank: "(3,)" if rank == odd_rank else "(2,)" for rank in (reference, other)}
+    assert (
+        f"rank {reference} has stage {stage} shape={shapes[reference]}, "
+        f"rank {other} has stage {stage} shape={shapes[other]}"
+    ) in message
 
 
-def test_check_names_differing_arguments(ranks):
-    results = ranks.run(WORLD, _verify_over_mesh_dims, 2, True)
-    for message, _, _ in results:
+def test_check_names_differing_arguments_across_stages(ranks):
+    for message, _ in ranks.run(WORLD, _verify_with_stages, 2, "settings"):
         assert message is not None
         assert "ranks passed different arguments" in message
-        assert "rank 0 has cap=1, rank 2 has cap=2" in message
+        assert "rank 0 has norm_type=2.0, rank 2 has norm_type=1.0" in message

@@ -205,12 +205,6 @@ def _() -> Case:
     return g, lambda: total_grad_norm([g[0], torch.ones(2, device="meta")])
 
 
-@_case("norm partial", ValueError, r"grads\[2\] is a DTensor with a Partial placement")
-def _() -> Case:
-    g = [*_grads(), _partial_grad()]
-    return g, lambda: total_grad_norm(g)
-
-
 @_case("norm type string", TypeError, r"norm_type must be a real number or 'inf', got 'two'")
 def _() -> Case:
     g = _grads()
@@ -303,12 +297,6 @@ def _() -> Case:
 def _() -> Case:
     p = _params()
     return [q.grad for q in p], lambda: clip_grad_norm_([p[0], _meta_param(), p[1]], 1.0)
-
-
-@_case("clip partial", ValueError, r"grads\[2\] is a DTensor with a Partial placement")
-def _() -> Case:
-    p = [*_params(), _param_with_grad(_partial_grad()), _param_with_grad(_sharded_grad())]
-    return [q.grad for q in p], lambda: clip_grad_norm_(p, 1.0)
 
 
 def _bad_call_raises_before_anything(name: str) -> tuple[str, str, bool, int]:

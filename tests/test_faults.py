@@ -25,7 +25,12 @@ from layouts import build, full_grads, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+from credit.parallel import (
+    allreduce_grads_avg,
+    clip_grad_norm_,
+    grad_norm_report,
+    total_grad_norm,
+)
 from credit.parallel._store import host_store
 
 HOST = "127.0.0.1"
@@ -120,6 +125,61 @@ def test_nonfinite_shard_on_one_rank(ranks, value, norm_type):
         assert str(result["clipped_norm"]) == expected, result
         assert result["same_bits"]
         assert result["clipped_like_torch"], f"rank {rank}: clipped gradients differ from torch"
+
+
+# Copies of a shard that another rank also holds: under the old ownership rule only one rank
+# counted each, so a value that diverged on another copy was invisible. Each is planted on one
+# rank only, in the (dp=2, tp=2) "fsdp_tp" layout or the "tp" layout (plain grads beside TP).
+COPIES = {
+    # a plain gradient (replicated on every rank), on the last rank
+    "plain gradient on the last rank": ("tp", 3, lambda g: not isinstance(g, DTensor)),
+    # a dp-sharded gradient (FSDP2 only), on the tp peer that holds the second copy
+    "dp shard on a tp peer": ("fsdp_tp", 1, lambda g: g.device_mesh.ndim == 1),
+    # a Replicate placement (the rowwise bias), on the tp rank that repeats the shard
+    "replicated shard on tp rank 1": ("fsdp_tp", 3, lambda g: "Replicate" in str(g.placements)),
+}
+
+
+def _nonfinite_in_a_copy(where: str, value: float, norm_type: float) -> dict:
+    layout, rank, select = COPIES[where]
+    model = build(layout).model
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad = next(p.grad for p in params if select(p.grad) and _local(p.grad).numel() > 0)
+    if dist.get_rank() == rank:
+        _local(grad).view(-1)[0] = value
+    before = [_bits(p.grad) for p in params]
+    raised = None
+    try:
+        clip_grad_norm_(params, 1.0, norm_type, error_if_nonfinite=True)
+    except RuntimeError as error:
+        raised = str(error)
+    unchanged = all(torch.equal(b, _bits(p.grad)) for b, p in zip(before, params, strict=True))
+    norm = total_grad_norm([p.grad for p in params], norm_type)
+    report = grad_norm_report(model.named_parameters(), norm_type)
+    return {
+        "raised": raised,
+        "unchanged": unchanged,
+        "norm": str(float(norm)),
+        "report": str(report["total"]),
+        "same_bits": same_bits_everywhere(norm),
+    }
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+@pytest.mark.parametrize("where", COPIES)
+@pytest.mark.parametrize(
+    ("value", "norm_type"), [(math.nan, 2.0), (math.inf, 1.0), (math.nan, math.inf)]
+)
+def test_a_nonfinite_copy_reaches_every_rank(ranks, where, value, norm_type):
+    expected = "nan" if math.isnan(value) else "inf"
+    for rank, result in enumerate(ranks.run(4, _nonfinite_in_a_copy, where, value, norm_type)):
+        assert result["raised"] is not None and "is non-finite" in result["raised"], rank
+        assert result["unchanged"], f"rank {rank}: a gradient changed"
+        assert result["norm"] == result["report"] == expected, (rank, result)
+        assert result["same_bits"]
 
 
 # --- processes started here ---------------------------------------------------------------------

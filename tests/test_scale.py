@@ -30,7 +30,7 @@ def _mixed_grads(world_mesh):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     generator = torch.Generator().manual_seed(0)
-    dp_mesh = world_mesh["dp"]
+    dp_mesh = world_mesh[world_mesh.mesh_dim_names[0]]
     grads = []
     for block in range(20):
         # FSDP2-only params (norms): dp-sharded on the 1D dp mesh; one has an empty local shard.
@@ -79,6 +79,9 @@ def _counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
     try:
         world_mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         grads = _mixed_grads(world_mesh)
+        # torchtitan's construction: every mesh a view unflattened from a 1-D world.
+        world_1d = init_device_mesh("cpu", (dp * tp,), mesh_dim_names=("world",))
+        unflattened = _mixed_grads(world_1d._unflatten(0, (dp, tp), ("dp_shard", "tp")))
         params = []
         for grad in grads:
             param = nn.Parameter(torch.empty_like(grad))
@@ -95,7 +98,11 @@ def _counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
                 lambda: torch.nn.utils.get_total_norm(on_2d, 2.0).full_tensor()
             ),
             "world": dist.get_world_size(),
+            # The first call for a layout verifies its copy counts in one more all_reduce.
+            "first call for a layout": _count(lambda: total_grad_norm(grads, 2.0)),
+            "first call, unflattened world": _count(lambda: total_grad_norm(unflattened, 2.0)),
             "total_grad_norm p=2": _count(lambda: total_grad_norm(grads, 2.0)),
+            "total_grad_norm, unflattened world": _count(lambda: total_grad_norm(unflattened)),
             "total_grad_norm p=inf": _count(lambda: total_grad_norm(grads, math.inf)),
             "clip_grad_norm_": _count(lambda: clip_grad_norm_(params, 1.0)),
             "total_grad_norm with pp_group": _count_with_pipeline(dp, tp),
@@ -133,10 +140,17 @@ def test_counting_sees_the_collectives_inside_dtensor_ops(counts):
 
 
 @pytest.mark.parametrize("rank", ["first", "last"])
+@pytest.mark.parametrize("call", ["first call for a layout", "first call, unflattened world"])
+def test_one_setup_collective_per_layout_at_1024_ranks(counts, call, rank):
+    assert counts[rank][call] == 2
+
+
+@pytest.mark.parametrize("rank", ["first", "last"])
 @pytest.mark.parametrize(
     "call",
     [
         "total_grad_norm p=2",
+        "total_grad_norm, unflattened world",
         "total_grad_norm p=inf",
         "clip_grad_norm_",
         "total_grad_norm with pp_group",

@@ -430,3 +430,26 @@ def test_fsdp_inf_norm_where_torch_raises_on_an_empty_shard(ranks):
     for _, ours, reference, same_everywhere in results:
         assert ours == reference  # the max is exact: no rounding to allow for
         assert same_everywhere
+
+
+def _mixed_dtypes_vs_torch() -> list[tuple[float, bool]]:
+    """FSDP2 over the whole world with fp32 and bf16 parameters side by side."""
+    world = mesh((dist.get_world_size(),), ("dp",))
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(16, 16), "b": nn.Linear(16, 16).to(torch.bfloat16)})
+    for module in model.values():
+        fully_shard(module, mesh=world)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    (model["a"](x).sum() + model["b"](x.bfloat16()).float().sum()).backward()
+    results = []
+    for norm_type in (1.0, 2.0, 3.0, math.inf):
+        ours = total_grad_norm(grads(model), norm_type)
+        reference = torch.nn.utils.get_total_norm(grads(model), norm_type).full_tensor()
+        results.append((norm_type, ours.dtype == reference.dtype and torch.equal(ours, reference)))
+    return results
+
+
+def test_mixed_dtypes_on_one_mesh_are_bit_identical_to_torch(ranks):
+    for results in ranks.run(4, _mixed_dtypes_vs_torch):
+        for norm_type, same in results:
+            assert same, f"p={norm_type}: not torch's bits"

@@ -46,6 +46,12 @@ def peer_group(group: GroupLike, argument: str) -> ProcessGroup | None:
     return process_group if group_size(process_group) > 1 else None
 
 
+def moves_data() -> bool:
+    """False on torch's "fake" backend, which simulates a large world in one process (to count
+    collectives at scale) and leaves every reduced tensor as this rank sent it."""
+    return str(dist.get_backend()) != "fake"
+
+
 def group_size(group: ProcessGroup | None) -> int:
     """Size of ``group``, or 1 when torch.distributed is not initialised."""
     return dist.get_world_size(group) if is_distributed() else 1

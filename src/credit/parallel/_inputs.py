@@ -14,9 +14,11 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+
+from credit.parallel._groups import GroupLike, group_ranks, is_distributed, resolve_group
 
 TensorOrTensors = Tensor | Iterable[Tensor]
+DistinctAlong = Iterable[tuple[TensorOrTensors, GroupLike]]
 
 
 def tensor_list(tensors: TensorOrTensors | Iterable[Tensor | None], argument: str) -> list[Tensor]:
@@ -60,25 +62,25 @@ def parameter_list(parameters: TensorOrTensors) -> list[Tensor]:
 def check_grads(grads: list[Tensor], argument: str) -> None:
     """Reject gradients no reduction here can handle, naming the first offender.
 
-    Reads a few attributes of each local tensor: this runs on every call, over hundreds of grads.
+    Reads a few attributes of each tensor (a DTensor's describe its local shard): this runs on
+    every call, over thousands of grads.
 
     Raises:
         ValueError: a gradient is sparse (or another non-strided layout) or on the meta device.
         TypeError: a gradient is not floating point (integer and bool included).
     """
     for index, grad in enumerate(grads):
-        local = grad._local_tensor if isinstance(grad, DTensor) else grad
-        if local.layout != torch.strided:
+        if grad.layout != torch.strided:
             raise ValueError(
-                f"{argument}[{index}] has layout {local.layout}; only dense (strided) gradients "
+                f"{argument}[{index}] has layout {grad.layout}; only dense (strided) gradients "
                 "are supported: densify it with .to_dense() first"
             )
-        if not (local.dtype.is_floating_point or local.dtype.is_complex):
+        if not (grad.dtype.is_floating_point or grad.dtype.is_complex):
             raise TypeError(
-                f"{argument}[{index}] has dtype {local.dtype}; only floating-point tensors can be "
+                f"{argument}[{index}] has dtype {grad.dtype}; only floating-point tensors can be "
                 "averaged or normed (integer and bool values would be truncated)"
             )
-        if local.is_meta:
+        if grad.is_meta:
             # A collective on a meta tensor is a silent no-op and its norm cannot be read back:
             # the "averaged" gradient would hold no data at all.
             raise ValueError(
@@ -113,3 +115,36 @@ def check_max_norm(max_norm: float | Tensor) -> None:
         value = float(max_norm)
     if math.isnan(value) or value < 0:
         raise ValueError(f"max_norm must be a non-negative number, got {value}")
+
+
+def distinct_groups(
+    distinct_along: DistinctAlong | None, grads: list[Tensor]
+) -> list[frozenset[int] | None] | None:
+    """For each gradient, the ranks of the group along which its copies differ (None: replicas).
+
+    A pair names parameters (their current ``.grad`` is meant) or gradients. None when
+    ``distinct_along`` is None or torch.distributed is not initialised.
+
+    Raises:
+        TypeError: ``distinct_along`` is not an iterable of ``(tensors, group)`` pairs.
+    """
+    if distinct_along is None or not is_distributed():
+        return None
+    if isinstance(distinct_along, (Tensor, str, bytes)) or not isinstance(distinct_along, Iterable):
+        raise TypeError(
+            "distinct_along must be an iterable of (tensors, group) pairs, "
+            f"got {type(distinct_along).__name__}"
+        )
+    by_grad: dict[int, frozenset[int]] = {}
+    for index, pair in enumerate(distinct_along):
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(
+                f"distinct_along[{index}] must be a (tensors, group) pair, got {pair!r:.80}"
+            )
+        tensors, group = pair
+        ranks = frozenset(group_ranks(resolve_group(group, f"distinct_along[{index}]")))
+        for tensor in tensor_list(tensors, f"distinct_along[{index}]"):
+            grad = tensor.grad if tensor.grad is not None else tensor
+            by_grad[id(grad)] = ranks
+    distinct = [by_grad.get(id(grad)) for grad in grads]
+    return [ranks if ranks is not None and len(ranks) > 1 else None for ranks in distinct]

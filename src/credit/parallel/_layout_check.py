@@ -4,25 +4,23 @@ Ranks that disagree on the number, shape or dtype of the tensors they reduce iss
 collectives: gloo aborts the process, NCCL hangs or corrupts. The check reduces a digest of each
 rank's layout with one small all_reduce (MAX of the digest and of its negation, so every rank
 learns both the largest and the smallest digest); only when they differ, which every rank then
-knows, are the full layouts gathered to name the first differing gradient. Over several groups
-(the dims of a mesh that does not span the world) the reductions run one after the other and
-nobody raises before all of them are done, so every rank reaches the same verdict and no rank is
-left waiting in a collective its peers have abandoned.
+knows, are the full layouts gathered to name the first differing gradient.
+
+Pipeline stages hold different gradients by design: each stage's digests travel in a slot of
+their own, so ranks are compared with the other ranks of their stage only, while the settings
+(arguments such as the norm type) are compared across all stages.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 ENV_VAR = "CREDIT_PARALLEL_CHECK"
-
-Groups = ProcessGroup | None | Sequence[ProcessGroup | None]
 
 
 def check_enabled(check: bool | None) -> bool:
@@ -39,82 +37,88 @@ def _digest(settings: str, layout: list[str]) -> int:
     return int.from_bytes(raw, "little") >> 2
 
 
-def _as_list(groups: Groups) -> list[ProcessGroup | None]:
-    if groups is None or isinstance(groups, ProcessGroup):
-        return [groups]
-    return list(groups)
+# Fills the slots of the stages a rank is not in; MAX over it leaves the other stages' values.
+_NEUTRAL = torch.iinfo(torch.int64).min
 
 
 def verify_same_layout(
     layout: list[str],
-    groups: Groups,
+    group: ProcessGroup | None,
     device: torch.device,
     what: str,
     settings: str = "",
+    stage: tuple[int, int] = (0, 1),
 ) -> None:
-    """Raise RuntimeError on every rank of ``groups`` unless all ranks passed the same layout.
+    """Raise RuntimeError on every rank of ``group`` unless the ranks of each stage passed the
+    same layout and all ranks the same settings.
 
     Args:
         layout: one description per gradient, e.g. ``"shape=(4, 8) dtype=torch.float32"``.
-        groups: the group whose ranks must agree (None for the world), or a sequence of groups
-            that together connect them (the dims of a mesh): one small all_reduce per group.
+        group: the group whose ranks are compared (None for the world).
         device: where the digest tensor lives (CUDA for NCCL groups).
         what: the function being checked, for the message.
         settings: arguments that must also agree (e.g. ``"bucket_cap_mb=25"``).
+        stage: ``(this rank's stage, number of stages)``; layouts are compared within a stage.
 
     Raises:
-        RuntimeError: on every rank of ``groups``, naming the first difference.
+        RuntimeError: on every rank of ``group``, naming the first difference.
     """
-    group_list = _as_list(groups)
-    if not group_list:
+    index, count = stage
+    slots = torch.full((count + 1, 4), _NEUTRAL, dtype=torch.int64)
+    slots[index] = torch.tensor(_extremes(len(layout), _digest("", layout)))
+    slots[count] = torch.tensor(_extremes(0, _digest(settings, [])))
+    slots = slots.to(device)
+    dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=group)
+    largest, negated_smallest = slots[:, :2], slots[:, 2:]
+    held = slots[:, 0] != _NEUTRAL  # a stage no rank of ``group`` is in
+    if torch.equal(largest[held], -negated_smallest[held]):
         return
-    count, digest = len(layout), _digest(settings, layout)
-    extremes = torch.tensor([count, digest, -count, -digest], dtype=torch.int64, device=device)
-    for group in group_list:
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    largest, negated_smallest = extremes[:2], extremes[2:]
-    if torch.equal(largest, -negated_smallest):
-        return
-    everyone = _gather_layouts((settings, layout), group_list)
+    everyone = _gather_layouts((index, settings, layout), group)
     raise RuntimeError(_describe_mismatch(everyone, what))
 
 
+def _extremes(count: int, digest: int) -> list[int]:
+    return [count, digest, -count, -digest]
+
+
 def _gather_layouts(
-    mine: tuple[str, list[str]], groups: list[ProcessGroup | None]
-) -> dict[int, tuple[str, list[str]]]:
-    """Every rank's (settings, layout), gathered group after group so that all ranks see all."""
-    known = {dist.get_rank(): mine}
-    for group in groups:
-        gathered: list[dict[int, tuple[str, list[str]]] | None] = [None] * dist.get_world_size(
-            group
-        )
-        dist.all_gather_object(gathered, known, group=group)
-        for other in gathered:
-            known.update(other or {})
-    return known
+    mine: tuple[int, str, list[str]], group: ProcessGroup | None
+) -> dict[int, tuple[int, str, list[str]]]:
+    """Every rank's (stage, settings, layout), by global rank."""
+    gathered: list[tuple[int, tuple[int, str, list[str]]] | None] = [None] * dist.get_world_size(
+        group
+    )
+    dist.all_gather_object(gathered, (dist.get_rank(), mine), group=group)
+    return dict(entry for entry in gathered if entry is not None)
 
 
-def _describe_mismatch(everyone: dict[int, tuple[str, list[str]]], what: str) -> str:
-    """The first difference from the lowest rank's layout: the same text on every rank."""
+def _describe_mismatch(everyone: dict[int, tuple[int, str, list[str]]], what: str) -> str:
+    """The first difference from the lowest rank of each stage: the same text on every rank."""
     first_rank = min(everyone)
-    first_settings, first = everyone[first_rank]
+    first_settings = everyone[first_rank][1]
     for rank in sorted(everyone):
-        settings, other = everyone[rank]
+        stage, settings, _ = everyone[rank]
         if settings != first_settings:
             return (
                 f"{what}: ranks passed different arguments, so their collectives would not "
                 f"match: rank {first_rank} has {first_settings}, rank {rank} has {settings}. "
                 "No gradient was modified."
             )
+    staged = any(stage for stage, _, _ in everyone.values())
+    for rank in sorted(everyone):
+        stage, _, other = everyone[rank]
+        reference = min(r for r in everyone if everyone[r][0] == stage)
+        first = everyone[reference][2]
         for index in range(max(len(first), len(other))):
             ours = first[index] if index < len(first) else "nothing"
             theirs = other[index] if index < len(other) else "nothing"
             if ours != theirs:
+                within = f" of pipeline stage {stage}" if staged else ""
                 return (
-                    f"{what}: ranks passed different gradient layouts, so their collectives "
-                    f"would not match. First difference at gradient {index} (counting the "
-                    f"gradients that are not None): rank {first_rank} has {ours}, rank {rank} "
-                    f"has {theirs} (rank {first_rank} passed {len(first)} gradients, rank "
-                    f"{rank} passed {len(other)}). No gradient was modified."
+                    f"{what}: ranks{within} passed different gradient layouts, so their "
+                    f"collectives would not match. First difference at gradient {index} "
+                    f"(counting the gradients that are not None): rank {reference} has {ours}, "
+                    f"rank {rank} has {theirs} (rank {reference} passed {len(first)} gradients, "
+                    f"rank {rank} passed {len(other)}). No gradient was modified."
                 )
     return f"{what}: ranks passed different gradient layouts. No gradient was modified."

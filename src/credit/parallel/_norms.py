@@ -1,230 +1,512 @@
-"""Gradient norms over any mix of meshes with one collective.
+"""Gradient norms over any mix of meshes and pipeline stages, in one collective.
 
-torch takes the norm of DTensor gradients as ``vector_norm(stack(per-gradient norms))`` where each
-per-gradient norm is a partial norm that DTensor completes with an all_reduce of p-th powers. Here
-every rank stacks the norms of its local shards in torch's order, with zeros for the shards it does
-not count (see ``_ownership``), one all_reduce completes the whole vector (SUM of p-th powers, or
-MAX for the inf norm), and the vector's norm is the total. On a homogeneous 1D mesh these are
-torch's operations in torch's order, so the result has torch's bits. Pipeline stages hold different
-gradients, so under a ``pp_group`` each rank contributes one scalar instead.
+The one norm pipeline, behind ``total_grad_norm``, ``clip_grad_norm_`` and ``grad_norm_report``:
+
+1. Each rank takes the norm of each of its local shards with torch's kernels, in torch's
+   (device, dtype) order, after completing Partial gradients (``_partial``).
+2. Each contribution is weighted by ``1 / copies`` of its shard (``_ownership``), so one all_reduce
+   over the world counts every distinct element once, and a NaN or inf in any copy reaches every
+   rank. The inf norm needs no weights: the largest copy is the largest element.
+3. Within a single stage every rank holds the same gradients, so the all_reduce completes the vector
+   of per-gradient p-th powers (MAX for inf) and the norm of that vector is the total: torch's
+   operations in torch's order, so a layout without copies (FSDP2 over the whole world) gives
+   torch's bits. The first call for a layout verifies its copy counts with one small integer
+   all_reduce, and so does every call in check mode.
+4. Pipeline stages hold different gradients, so each rank sends one float64 number per segment
+   (the whole norm, or one per report group), the self-check's terms beside them, in the same
+   all_reduce.
+
+Every rank issues the same collectives, decided by the world, ``pp_group`` and the layout that all
+ranks of a stage share, never by what one rank happens to hold.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
 
-from credit.parallel import _ownership
+from credit.parallel import _inputs, _ownership, _partial
+from credit.parallel._compat import local_tensor
 from credit.parallel._foreach import group_indices_by_device_and_dtype, use_foreach
-from credit.parallel._groups import GroupLike, group_ranks, is_distributed, resolve_group
+from credit.parallel._groups import (
+    GroupLike,
+    group_size,
+    is_distributed,
+    moves_data,
+    resolve_group,
+)
+from credit.parallel._inputs import DistinctAlong
+from credit.parallel._layout_check import check_enabled, verify_same_layout
+from credit.parallel._ownership import Holding, Stages
 
-
-def stacked_norms(
-    tensors: list[Tensor],
-    counted: list[bool],
-    norm_type: float,
-    foreach: bool | None,
-    dtype: torch.dtype | None,
-) -> Tensor | None:
-    """Each tensor's norm, stacked as torch's ``get_total_norm`` stacks them (None for none).
-
-    Tensors this rank does not count get a zero, and so do empty tensors under the inf norm (torch's
-    kernels raise on them), so every rank of one layout stacks the same entries in the same order.
-    """
-    if not tensors:
-        return None
-    first_device = tensors[0].device
-    norms: list[Tensor] = []
-    groups = group_indices_by_device_and_dtype(tensors)
-    for (device, tensor_dtype), indices in groups.items():
-        keep = [counted[i] and (norm_type != math.inf or tensors[i].numel() > 0) for i in indices]
-        kept = [tensors[i] for i, k in zip(indices, keep, strict=True) if k]
-        kept_norms = iter(_norms_of(kept, norm_type, foreach, dtype, device) if kept else [])
-        zero = torch.zeros((), dtype=dtype or tensor_dtype.to_real(), device=device)
-        norms.extend(next(kept_norms) if k else zero for k in keep)
-    if any(device != first_device for device, _ in groups):  # .to() is a dispatch per norm
-        norms = [n.to(first_device) for n in norms]
-    return torch.stack(norms)
-
-
-def local_norm(
-    tensors: list[Tensor], norm_type: float, foreach: bool | None, dtype: torch.dtype | None
-) -> Tensor | None:
-    """torch's ``get_total_norm`` on plain tensors (None for none), accumulating in ``dtype``."""
-    norms = stacked_norms(tensors, [True] * len(tensors), norm_type, foreach, dtype)
-    return None if norms is None else torch.linalg.vector_norm(norms, norm_type)
-
-
-def _norms_of(
-    tensors: list[Tensor],
-    norm_type: float,
-    foreach: bool | None,
-    dtype: torch.dtype | None,
-    device: torch.device,
-) -> list[Tensor]:
-    if use_foreach(foreach, tensors, device):
-        return list(torch._foreach_norm(tensors, norm_type, dtype=dtype))
-    return [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in tensors]
+# Layouts whose plans are kept (a training loop uses one or two: the clip's and the report's).
+_MAX_LAYOUTS = 64
 
 
 @dataclass(frozen=True)
-class NormPlan:
-    """How one call's gradients reduce: what this rank counts, and over which groups.
+class NormRequest:
+    """The arguments of one norm call, checked and resolved.
 
     Attributes:
-        local: each gradient's local tensor (DTensors unwrapped), in input order.
-        counted: for each gradient, whether this rank counts it in the global sum.
-        groups: the process groups to all_reduce over, in order (None is the world).
-        layout_groups: the groups whose ranks must pass the same layout (for the check mode).
+        order: the p of the p-norm (``math.inf`` for the max norm).
+        foreach: use the foreach kernels (None: where the device supports them).
+        dtype: accumulation dtype of the per-gradient norms, or None for torch's.
+        pp_group: this rank's pipeline group, or None.
+        distinct: for each gradient, the ranks along which its copies differ (None: replicas),
+            or None when no gradient is declared distinct.
+        check: verify the layout across ranks and the copy counts on this call.
+        what: the public function, for messages.
     """
 
-    local: list[Tensor]
-    counted: list[bool]
-    groups: list[ProcessGroup | None]
-    layout_groups: list[ProcessGroup | None]
-    device: torch.device
+    order: float
+    foreach: bool | None
+    dtype: torch.dtype | None
+    pp_group: ProcessGroup | None
+    distinct: list[frozenset[int] | None] | None
+    check: bool
+    what: str
 
-    def counted_local(self) -> list[Tensor]:
-        return [t for t, counted in zip(self.local, self.counted, strict=True) if counted]
 
+def request(
+    grads: list[Tensor],
+    norm_type: float | str,
+    foreach: bool | None,
+    pp_group: GroupLike,
+    distinct_along: DistinctAlong | None,
+    dtype: torch.dtype | None,
+    check: bool | None,
+    what: str = "total_grad_norm",
+) -> NormRequest:
+    """The norm arguments, checked before any collective and resolved.
 
-def plan(grads: list[Tensor], pp_group: GroupLike) -> NormPlan:
-    """Decide, for this rank, which local shards to count and which groups to reduce over.
-
-    The root mesh comes from the DTensor gradients or, on a stage without any (frozen, or with
-    plain gradients only), from ``pp_group`` when it is a dim of a larger mesh, so that every stage
-    reduces over the same groups.
+    Args:
+        grads: the gradients to norm.
+        norm_type, foreach, pp_group, distinct_along, dtype, check: as for ``total_grad_norm``.
+        what: the public function, for messages.
     """
+    order = _inputs.norm_order(norm_type)
+    _inputs.check_grads(grads, "grads")
     pp_process_group = resolve_group(pp_group, "pp_group")
-    dtensors = [g for g in grads if isinstance(g, DTensor)]
-    root = _common_root(dtensors) if dtensors else _sliced_from(pp_group)
-    if root is None or not is_distributed():
-        # Plain gradients: a local norm, as torch takes it, summed over the stages if any.
-        pp_groups: list[ProcessGroup | None] = []
-        if pp_process_group is not None and is_distributed():
-            pp_groups.append(pp_process_group)
-        device = grads[0].device if grads else torch.device("cpu")
-        return NormPlan(grads, [True] * len(grads), pp_groups, layout_groups=[], device=device)
-
-    pp_ranks = tuple(group_ranks(pp_process_group)) if pp_process_group is not None else None
-    distinct = _ownership.distinct_root_dims(root, pp_ranks)
-    root_groups = _root_groups(root)
-    groups = list(root_groups)
-    if pp_ranks is not None and not distinct:
-        _check_pp_outside_root(root, pp_ranks)
-        groups.append(pp_process_group)
-
-    counts_plain = _ownership.counts_replicated(root, distinct)
-    # Keyed by spec object: FSDP2 and TP share a few specs among hundreds of gradients.
-    counts_by_spec: dict[int, bool] = {}
-    local, counted = [], []
-    for index, grad in enumerate(grads):
-        if not isinstance(grad, DTensor):
-            local.append(grad)
-            counted.append(counts_plain)
-            continue
-        spec = grad._spec
-        if id(spec) not in counts_by_spec:
-            placements = tuple(spec.placements)
-            _check_not_partial(index, placements)
-            counts_by_spec[id(spec)] = _ownership.counts_shard(spec.mesh, placements, distinct)
-        # _local_tensor skips to_local()'s autograd bookkeeping, microseconds per gradient.
-        local.append(grad._local_tensor)
-        counted.append(counts_by_spec[id(spec)])
-    device = grads[0].device if grads else torch.device(root.device_type)
-    return NormPlan(local, counted, groups, layout_groups=root_groups, device=device)
+    return NormRequest(
+        order=order,
+        foreach=foreach,
+        dtype=dtype,
+        pp_group=pp_process_group if group_size(pp_process_group) > 1 else None,
+        distinct=_inputs.distinct_groups(distinct_along, grads),
+        check=check_enabled(check) and is_distributed(),
+        what=what,
+    )
 
 
-def _check_not_partial(index: int, placements: tuple[Placement, ...]) -> None:
-    if any(placement.is_partial() for placement in placements):
+@dataclass
+class Reduced:
+    """The result of the pipeline.
+
+    Attributes:
+        total: the norm of all the gradients, as a plain scalar in the result dtype.
+        entries: the global norm of each entry: each gradient (in ``entry_inputs`` order) within a
+            single stage, or each segment under pipeline stages.
+        entry_inputs: the input index of each entry (single stage), or None (segments).
+        present: under pipeline stages, how many ranks hold gradients of each segment.
+        local: each gradient's local tensor, in input order.
+        groups: the indices of ``local`` by (device, dtype), in torch's order, with the device.
+    """
+
+    total: Tensor
+    entries: Tensor
+    entry_inputs: list[int] | None
+    present: Tensor | None
+    local: list[Tensor]
+    groups: list[tuple[torch.device, list[int]]]
+
+
+def reduce(
+    grads: list[Tensor],
+    request: NormRequest,
+    segment_of: list[int] | None = None,
+    segment_count: int = 1,
+) -> Reduced:
+    """Run the pipeline on ``grads`` (see the module docstring).
+
+    Args:
+        grads: gradients, plain or DTensor, checked by ``_inputs.check_grads``.
+        request: the call's arguments.
+        segment_of: under pipeline stages, the segment of each gradient (default: all in one).
+        segment_count: the number of segments, the same on every rank.
+
+    Raises:
+        ValueError: the gradients' layout cannot be reduced (raised on every rank).
+        RuntimeError: the self-check or the check mode failed (raised on every rank).
+    """
+    local = [local_tensor(g) for g in grads]
+    if not is_distributed() or dist.get_world_size() == 1:
+        return _local_norms(local, request, _result_dtype(grads, request.dtype))
+    at = _stages(request.pp_group)
+    held = [_ownership.holding(g) for g in grads]
+    if request.check:
+        _check_same_layout(held, request, at, _collective_device(local))
+    if at.count == 1 and request.distinct is None and all(h.mesh is None for h in held):
+        # Plain replicas (DDP): each rank's norm is the norm, as torch takes it, no collective.
+        return _local_norms(local, request, _result_dtype(grads, request.dtype))
+    if not request.order > 0:
         raise ValueError(
-            f"grads[{index}] is a DTensor with a Partial placement {placements}: its local values "
-            "are unreduced, so their norm is not the gradient's. Reduce it first, e.g. "
-            "grad.redistribute(placements=[Replicate() ...])"
+            f"norm_type must be positive or inf for distributed grads, got {request.order}"
         )
+    layout = _layout(held, local, at, request.distinct)
+    result_dtype = request.dtype or layout.grads_dtype
+    if at.count == 1:
+        return _single_stage(local, layout, request, at, result_dtype)
+    segments = segment_of if segment_of is not None else [0] * len(grads)
+    return _pipeline(local, layout, request, at, result_dtype, segments, segment_count)
 
 
-def _sliced_from(group: GroupLike) -> DeviceMesh | None:
-    """The mesh ``group`` was sliced from, when it is a dim of a larger DeviceMesh."""
-    if not isinstance(group, DeviceMesh):
-        return None
-    root = _ownership.root_mesh(group)
-    return root if root is not group else None
+def _stages(pp_group: ProcessGroup | None) -> Stages:
+    ranks = tuple(dist.get_process_group_ranks(pp_group)) if pp_group is not None else None
+    return _stages_of(ranks, dist.get_world_size(), dist.get_rank())
 
 
-def result_dtype(grads: list[Tensor], dtype: torch.dtype | None) -> torch.dtype:
+@functools.lru_cache(maxsize=64)
+def _stages_of(pp_ranks: tuple[int, ...] | None, world: int, rank: int) -> Stages:
+    return _ownership.stages(pp_ranks)  # world and rank key the cache
+
+
+def _result_dtype(grads: list[Tensor], dtype: torch.dtype | None) -> torch.dtype:
     """The dtype torch's stacked norm would have; the same on every rank of one layout."""
     if dtype is not None:
         return dtype
-    if not grads:
+    return _promoted({g.dtype for g in grads})
+
+
+def _promoted(dtypes: set[torch.dtype]) -> torch.dtype:
+    if not dtypes:
         return torch.get_default_dtype()
-    return functools.reduce(torch.promote_types, (g.dtype for g in grads)).to_real()
+    return functools.reduce(torch.promote_types, dtypes).to_real()
 
 
-def _common_root(dtensors: list[DTensor]) -> DeviceMesh:
-    meshes = {id(g.device_mesh): g.device_mesh for g in dtensors}
-    roots = {id(root): root for root in map(_ownership.root_mesh, meshes.values())}
-    if len(roots) != 1:
-        described = ", ".join(str(root) for root in roots.values())
-        raise ValueError(
-            "gradients live on DeviceMeshes sliced from different root meshes "
-            f"({described}); build every mesh from one init_device_mesh(...) and slice it"
-        )
-    return next(iter(roots.values()))
+def _collective_device(local: list[Tensor]) -> torch.device:
+    if local:
+        return local[0].device
+    backend = str(dist.get_backend())
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-def _root_groups(root: DeviceMesh) -> list[ProcessGroup | None]:
-    """Groups whose successive sums cover the root mesh: the world alone when it spans the world."""
-    if root.size() == dist.get_world_size():
-        return [None]
-    return [root.get_group(dim) for dim in range(root.ndim) if root.size(dim) > 1]
+# ---------------------------------------------------------------------------------------------
+# local norms: torch's get_total_norm
 
 
-def _check_pp_outside_root(root: DeviceMesh, pp_ranks: tuple[int, ...]) -> None:
-    shared = set(pp_ranks) & set(root.mesh.flatten().tolist())
-    if len(shared) > 1:
-        raise ValueError(
-            f"pp_group (ranks {list(pp_ranks)}) overlaps the gradients' mesh {root} without being "
-            "one of its dims; slice pp_group from the same mesh (e.g. mesh['pp']) or use a "
-            "separate mesh per stage"
-        )
+def _local_norms(local: list[Tensor], request: NormRequest, result_dtype: torch.dtype) -> Reduced:
+    groups = _torch_order(local)
+    stacked, inputs = _stacked_norms(local, groups, request)
+    if stacked is None:
+        zero = torch.zeros((), dtype=result_dtype)
+        return Reduced(zero, zero.new_zeros(0), [], None, local, groups)
+    total = torch.linalg.vector_norm(stacked, request.order)
+    return Reduced(total, stacked, inputs, None, local, groups)
 
 
-def global_norm(
-    local: Tensor | None,
-    norm_type: float,
-    groups: list[ProcessGroup | None],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> Tensor:
-    """Complete this rank's norms (a scalar, or a vector from :func:`stacked_norms`) over ``groups``.
+def _torch_order(local: list[Tensor]) -> list[tuple[torch.device, list[int]]]:
+    """The indices of ``local`` grouped by (device, dtype), in the order torch stacks norms."""
+    if not local:
+        return []
+    grouped = group_indices_by_device_and_dtype(local)
+    return [(device, indices) for (device, _), indices in grouped.items()]
 
-    Each entry is reduced as DTensor reduces a partial norm: p-th power, SUM, p-th root (MAX for
-    inf), one all_reduce per group; a vector's norm is then taken. ``dtype`` must be the same on
-    every rank (see :func:`result_dtype`), even one without gradients, or the collectives would not
-    match.
+
+def _stacked_norms(
+    local: list[Tensor], groups: list[tuple[torch.device, list[int]]], request: NormRequest
+) -> tuple[Tensor | None, list[int]]:
+    """Each local tensor's norm, stacked in torch's order, and the input index of each entry.
+
+    Empty tensors get a zero under the inf norm, where torch's kernels raise on them: a 1-row
+    weight sharded over two ranks leaves one of them an empty shard.
     """
-    norms = torch.zeros((), dtype=dtype, device=device) if local is None else local.to(dtype)
-    if groups and norm_type == math.inf:
-        # gloo's MAX keeps its first operand when the other is NaN, so a NaN held by any rank but
-        # the first would vanish: each entry's NaN flag travels beside it, in the same collective.
-        nan = torch.isnan(norms)
-        both = torch.stack([torch.where(nan, 0.0, norms), nan.to(norms.dtype)])
-        for group in groups:
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        norms = torch.where(both[1] > 0, math.nan, both[0])
-    elif groups:
+    if not local:
+        return None, []
+    order, dtype = request.order, request.dtype
+    norms: list[Tensor] = []
+    inputs: list[int] = []
+    for device, indices in groups:
+        tensors = [local[i] for i in indices]
+        if order == math.inf and any(t.numel() == 0 for t in tensors):
+            keep = [t.numel() > 0 for t in tensors]
+            kept = iter(_norms_of([t for t in tensors if t.numel()], request, device))
+            zero = torch.zeros((), dtype=dtype or tensors[0].dtype.to_real(), device=device)
+            norms.extend(next(kept) if k else zero for k in keep)
+        else:
+            norms.extend(_norms_of(tensors, request, device))
+        inputs.extend(indices)
+    first_device = local[0].device
+    if any(device != first_device for device, _ in groups):  # .to() is a dispatch per norm
+        norms = [n.to(first_device) for n in norms]
+    return torch.stack(norms), inputs
+
+
+def _norms_of(tensors: list[Tensor], request: NormRequest, device: torch.device) -> list[Tensor]:
+    if not tensors:
+        return []
+    order, dtype = request.order, request.dtype
+    if use_foreach(request.foreach, tensors, device):
+        return list(torch._foreach_norm(tensors, order, dtype=dtype))
+    return [torch.linalg.vector_norm(t, order, dtype=dtype) for t in tensors]
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan of one layout, kept between calls
+
+
+@dataclass(eq=False)
+class _Layout:
+    """What a layout's reduction needs, computed on its first call.
+
+    ``held`` keeps the Holding objects alive, so the ids in the cache key stay theirs.
+    """
+
+    held: list[Holding]
+    groups: list[tuple[torch.device, list[int]]]
+    grads_dtype: torch.dtype  # the promotion of the gradients' dtypes, as torch's norm has it
+    weights: list[float]  # per input gradient
+    error: str | None
+    coverage: list[int]  # per input gradient
+    has_partial: bool
+    verified: bool = False
+    _weight_tensors: dict[tuple, Tensor | None] = field(default_factory=dict)
+
+    def weight_tensor(
+        self, inputs: list[int], dtype: torch.dtype, device: torch.device
+    ) -> Tensor | None:
+        """The weights in stacking order, as a tensor (None when every weight is 1)."""
+        key = (dtype, device)
+        if key not in self._weight_tensors:
+            stacked = [self.weights[i] for i in inputs]
+            trivial = all(w == 1.0 for w in stacked)
+            self._weight_tensors[key] = (
+                None if trivial else torch.tensor(stacked, dtype=dtype, device=device)
+            )
+        return self._weight_tensors[key]
+
+
+_layouts: OrderedDict[tuple, _Layout] = OrderedDict()
+
+
+def _layout(
+    held: list[Holding],
+    local: list[Tensor],
+    at: Stages,
+    distinct: list[frozenset[int] | None] | None,
+) -> _Layout:
+    key = (tuple(map(id, held)), at, tuple(distinct) if distinct is not None else None)
+    found = _layouts.get(key)
+    if found is not None:
+        _layouts.move_to_end(key)
+        return found
+    distinct = distinct if distinct is not None else [None] * len(held)
+    errors = (_ownership.layout_error(h, at, d) for h, d in zip(held, distinct, strict=True))
+    error = next((e for e in errors if e is not None), None) or _partial.unsupported(held)
+    layout = _Layout(
+        held=held,
+        groups=_torch_order(local),
+        grads_dtype=_promoted({h.dtype for h in held}),
+        weights=[_ownership.weight(h, at, d) for h, d in zip(held, distinct, strict=True)],
+        error=error,
+        coverage=[_ownership.coverage(h, at) for h in held],
+        has_partial=any(h.partial_dims for h in held),
+    )
+    _layouts[key] = layout
+    if len(_layouts) > _MAX_LAYOUTS:
+        _layouts.popitem(last=False)
+    return layout
+
+
+# ---------------------------------------------------------------------------------------------
+# a single stage: the per-gradient vector
+
+
+def _single_stage(
+    local: list[Tensor],
+    layout: _Layout,
+    request: NormRequest,
+    at: Stages,
+    result_dtype: torch.dtype,
+) -> Reduced:
+    device = _collective_device(local)
+    if not layout.verified or request.check:
+        _verify(layout, at, request.what, device)
+    completed = _partial.complete(local, layout.held) if layout.has_partial else local
+    stacked, inputs = _stacked_norms(completed, layout.groups, request)
+    if stacked is None:  # no gradients on any rank (the layout is shared)
+        zero = torch.zeros((), dtype=result_dtype, device=device)
+        return Reduced(zero, zero.new_zeros(0), [], None, local, layout.groups)
+    order = request.order
+    if order == math.inf:
+        entries = _max_over_ranks(stacked.to(result_dtype))
+    else:
+        weights = layout.weight_tensor(
+            inputs, torch.promote_types(result_dtype, torch.float32), device
+        )
+        # Copies weighted by fractions are summed in float32 at least; without copies the vector
+        # is reduced in torch's dtype, as torch reduces it.
+        reduce_dtype = result_dtype if weights is None else weights.dtype
         # DTensor skips the power for p=1, and so do we, to keep its bits.
-        powered = norms**norm_type if norm_type != 1 else norms
-        for group in groups:
-            dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
-        norms = powered ** (1.0 / norm_type) if norm_type != 1 else powered
-    return torch.linalg.vector_norm(norms, norm_type) if norms.ndim else norms
+        powered = stacked.to(reduce_dtype) ** order if order != 1 else stacked.to(reduce_dtype)
+        if weights is not None:
+            powered = powered * weights
+        dist.all_reduce(powered, op=dist.ReduceOp.SUM)
+        entries = powered ** (1.0 / order) if order != 1 else powered
+    total = torch.linalg.vector_norm(entries, order).to(result_dtype)
+    return Reduced(total, entries, inputs, None, local, layout.groups)
+
+
+def _max_over_ranks(norms: Tensor) -> Tensor:
+    """The element-wise max of ``norms`` over the world; NaN wherever any rank has one.
+
+    gloo's MAX keeps its first operand when the other is NaN, so each entry's NaN flag travels
+    beside it, in the same collective.
+    """
+    nan = torch.isnan(norms)
+    both = torch.stack([torch.where(nan, 0.0, norms), nan.to(norms.dtype)])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return torch.where(both[1] > 0, math.nan, both[0])
+
+
+def _verify(layout: _Layout, at: Stages, what: str, device: torch.device) -> None:
+    """The self-check of a single-stage layout: one int64 all_reduce, raised on every rank."""
+    terms = torch.tensor(
+        [*layout.coverage, int(layout.error is not None)], dtype=torch.int64, device=device
+    )
+    dist.all_reduce(terms, op=dist.ReduceOp.SUM)
+    if bool(terms.any()) and moves_data():
+        _raise_layout_failure(layout, at, what)
+    layout.verified = True
+
+
+# ---------------------------------------------------------------------------------------------
+# pipeline stages: one float64 number per segment
+
+
+# The result dtypes a stage can vote for; the stages agree on their promotion, so that every rank
+# returns the same dtype and bits even where stages hold gradients of different dtypes (or none).
+_RESULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _pipeline(
+    local: list[Tensor],
+    layout: _Layout,
+    request: NormRequest,
+    at: Stages,
+    result_dtype: torch.dtype,
+    segment_of: list[int],
+    segment_count: int,
+) -> Reduced:
+    device = _collective_device(local)
+    order = request.order
+    values = torch.zeros(segment_count, dtype=torch.float64, device=device)
+    present = torch.zeros_like(values)
+    votes = torch.zeros(len(_RESULT_DTYPES), dtype=torch.float64, device=device)
+    if local and layout.error is None:  # a broken layout sends zeros beside its flag
+        completed = _partial.complete(local, layout.held) if layout.has_partial else local
+        stacked, inputs = _stacked_norms(completed, layout.groups, request)
+        assert stacked is not None
+        stacked = stacked.to(values)
+        segments = torch.tensor([segment_of[i] for i in inputs], device=device)
+        present[segments] = 1.0
+        votes[_RESULT_DTYPES.index(result_dtype)] = 1.0
+        if order == math.inf:
+            values.scatter_reduce_(0, segments, stacked, reduce="amax")
+        else:
+            weights = stacked.new_tensor([layout.weights[i] for i in inputs])
+            values.index_add_(0, segments, stacked**order * weights)
+    broken = values.new_tensor([float(layout.error is not None)])
+    if order == math.inf:
+        nan = torch.isnan(values)
+        vector = torch.cat([torch.where(nan, 0.0, values), nan.to(values), present, votes, broken])
+        dist.all_reduce(vector, op=dist.ReduceOp.MAX)
+        values, nan, present, votes, checks = vector.split([segment_count] * 3 + [len(votes), 1])
+        entries = torch.where(nan > 0, math.nan, values)
+        total = entries.max()  # NaN if any entry is
+    else:
+        # The self-check's terms sum to zero over the world when every stage holds whole copies.
+        residual = values.new_tensor([sum(layout.coverage)])
+        vector = torch.cat([values, present, votes, residual, broken])
+        dist.all_reduce(vector, op=dist.ReduceOp.SUM)
+        values, present, votes, checks = vector.split([segment_count] * 2 + [len(votes), 2])
+        entries = values ** (1.0 / order)
+        total = values.sum() ** (1.0 / order)
+    if bool(checks.ne(0).any()) and moves_data():
+        _raise_layout_failure(layout, at, request.what)
+    if request.dtype is None:
+        voted = [dtype for dtype, vote in zip(_RESULT_DTYPES, votes.tolist(), strict=True) if vote]
+        result_dtype = (
+            functools.reduce(torch.promote_types, voted, voted[0]) if voted else result_dtype
+        )
+    return Reduced(total.to(result_dtype), entries, None, present, local, layout.groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# failures, described the same way on every rank
+
+
+def _raise_layout_failure(layout: _Layout, at: Stages, what: str) -> None:
+    """Gather every rank's view of the layout and raise the same error on every rank."""
+    mine = (
+        at.index,
+        at.is_reference,
+        layout.error,
+        [(h.description, len(h.mesh_ranks), h.replicas, h.global_numel) for h in layout.held],
+        layout.coverage,
+    )
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, (_, _, error, _, _) in enumerate(everyone):
+        if error is not None:
+            raise ValueError(f"{what}: {error} (rank {rank}). No gradient was modified.")
+    raise RuntimeError(_describe_missing_copies(everyone, at, what))
+
+
+def _describe_missing_copies(everyone: list, at: Stages, what: str) -> str:
+    for stage in range(at.count):
+        ranks = [view for view in everyone if view[0] == stage]
+        reference = next((view for view in ranks if view[1]), ranks[0] if ranks else None)
+        if reference is None:
+            continue
+        for index, (description, mesh_size, replicas, numel) in enumerate(reference[3]):
+            held = sum(
+                view[4][index] + (at.size * replicas * numel if view[1] else 0)
+                for view in ranks
+                if index < len(view[4])
+            )
+            expected = at.size * replicas * numel
+            if held != expected:
+                return (
+                    f"{what}: cannot count gradient {index} ({description}) exactly once: "
+                    f"its mesh has {mesh_size} ranks, so the {at.size} ranks of "
+                    f"{'stage ' + str(stage) if at.count > 1 else 'the world'} should hold "
+                    f"{at.size // max(mesh_size, 1)} copies of it, but they hold "
+                    f"{held / (mesh_size * replicas * numel) if numel else 0:g}. Every rank "
+                    "of a stage must hold every gradient of the stage, each on its own copy of "
+                    "the mesh; pass pipeline stages as pp_group. No gradient was modified."
+                )
+    return (
+        f"{what}: the ranks' gradients do not add up to whole copies of each gradient. "
+        "No gradient was modified."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# check mode
+
+
+def _check_same_layout(
+    held: list[Holding], request: NormRequest, at: Stages, device: torch.device
+) -> None:
+    layout = [h.description for h in held]
+    settings = f"norm_type={request.order} dtype={request.dtype} stages={at.count}"
+    verify_same_layout(layout, None, device, request.what, settings, stage=(at.index, at.count))

@@ -1,83 +1,233 @@
-"""Which rank counts which gradient in a world-wide sum, so every distinct shard counts once.
+"""How many identical copies of each gradient shard the ranks hold, read from rank maps alone.
 
-A DTensor on a submesh of a larger root mesh is held identically by every rank that differs from
-this one only along root dims outside the DTensor's mesh (a dp-sharded grad on the tp peers of a
-(dp, tp) mesh), and a Replicate placement repeats a shard along its own mesh dim. In a sum over the
-root mesh, a rank counts a shard only when its coordinate is 0 along each of those dims. Plain
-tensors are replicated along every root dim. Dims named as "distinct" (pipeline stages) hold
-different parameters and are never deduplicated.
+Every rank of a pipeline stage holds every parameter of that stage: data, tensor, domain and expert
+parallelism shard or replicate parameters, they do not split the parameter set among ranks. A
+DTensor gradient on a mesh of ``m`` ranks is therefore held by ``stage_size / m`` disjoint copies of
+that mesh (the tp peers of an FSDP2 dp mesh, the other half of a mesh built over half the world),
+and inside each copy its Replicate dims (and its Partial dims, once reduced) repeat every shard.
+Each shard thus exists in
+
+    copies = replicas * stage_size / m
+
+identical copies, and weighting every rank's contribution by ``1 / copies`` counts every distinct
+element exactly once in a sum over all ranks; since every copy contributes, a NaN or inf in any
+copy reaches the sum. Gradients declared distinct along a group G (experts held per ep rank) are
+not copies of each other across G, so their weight is |G| times larger.
+
+Only sizes and rank sets enter, never how a mesh was built: slicing, ``_flatten``, ``_unflatten``
+of a 1-D world, ``DeviceMesh.from_group``, equal but distinct mesh objects and separate
+``init_device_mesh`` calls all give the same answer. The rule's one assumption, that every rank of
+a stage holds the gradient, is what :func:`coverage` lets the norm verify: summed over the stage,
+``m * local numel`` must equal ``stage_size * replicas * global numel``, the right side stated by
+one reference rank per stage.
 """
 
 from __future__ import annotations
 
-import functools
+import math
+from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import DTensor
+
+from credit.parallel._compat import local_tensor
+
+# Holdings are cached per DTensor spec object (FSDP2 and TP reuse them across steps); a cache that
+# grows past this many entries is dropped and rebuilt.
+_MAX_CACHED = 1 << 16
 
 
-def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh that ``mesh`` was sliced from (itself when it was not sliced)."""
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    if get_root is not None:
-        return get_root()
-    from torch.distributed.device_mesh import _mesh_resources  # torch < 2.9
+@dataclass(frozen=True)
+class Stages:
+    """The pipeline stages of the world as this rank sees them (a single stage without pp).
 
-    return _mesh_resources.get_root_mesh(mesh)
+    Attributes:
+        size: ranks per stage.
+        count: number of stages.
+        index: this rank's stage.
+        is_reference: whether this rank states its stage's expected totals in the self-check: the
+            member of its stage in the pipeline group of rank 0, so one rank per stage.
+        pp_ranks: this rank's pipeline group (itself alone without pp).
+    """
 
-
-def _root_dims_inside(mesh: DeviceMesh, root: DeviceMesh) -> set[int]:
-    """Root dims along which a step from this rank stays inside ``mesh`` (works for flattened dims)."""
-    members = set(mesh.mesh.flatten().tolist())
-    coordinate = root.get_coordinate()
-    assert coordinate is not None, "the calling rank must belong to the root mesh"
-    inside = set()
-    for dim in range(root.ndim):
-        if root.size(dim) == 1:
-            continue
-        neighbour = list(coordinate)
-        neighbour[dim] = (coordinate[dim] + 1) % root.size(dim)
-        if int(root.mesh[tuple(neighbour)]) in members:
-            inside.add(dim)
-    return inside
+    size: int
+    count: int
+    index: int
+    is_reference: bool
+    pp_ranks: frozenset[int]
 
 
-def distinct_root_dims(root: DeviceMesh, pp_ranks: tuple[int, ...] | None) -> frozenset[int]:
-    """The root dim whose groups are the pipeline groups, if ``pp_ranks`` is one of them."""
-    if pp_ranks is None:
-        return frozenset()
-    for dim in range(root.ndim):
-        if tuple(dist.get_process_group_ranks(root.get_group(dim))) == pp_ranks:
-            return frozenset({dim})
-    return frozenset()
+def stages(pp_ranks: tuple[int, ...] | None) -> Stages:
+    """The stages that this rank's pipeline group (its ranks, or None) divides the world into.
 
-
-@functools.lru_cache(maxsize=1024)
-def counts_shard(
-    mesh: DeviceMesh, placements: tuple[Placement, ...], distinct_dims: frozenset[int]
-) -> bool:
-    """Whether this rank counts its local shard of a DTensor on ``mesh`` with ``placements``."""
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return False
-    for dim, placement in enumerate(placements):
-        if placement.is_replicate() and coordinate[dim] != 0:
-            return False
-    root = root_mesh(mesh)
-    root_coordinate = root.get_coordinate()
-    assert root_coordinate is not None
-    inside = _root_dims_inside(mesh, root) if mesh is not root else set(range(root.ndim))
-    return all(
-        root_coordinate[dim] == 0
-        for dim in range(root.ndim)
-        if dim not in inside and dim not in distinct_dims
+    Raises:
+        ValueError: the pipeline group's size does not divide the world size.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ranks = list(pp_ranks) if pp_ranks is not None else [rank]
+    if world % len(ranks):
+        raise ValueError(
+            f"pp_group has {len(ranks)} ranks, which does not divide the world size {world}: "
+            "pass the pipeline group (one rank per stage) that contains this rank"
+        )
+    return Stages(
+        size=world // len(ranks),
+        count=len(ranks),
+        index=ranks.index(rank),
+        is_reference=0 in ranks,
+        pp_ranks=frozenset(ranks),
     )
 
 
-@functools.lru_cache(maxsize=64)
-def counts_replicated(root: DeviceMesh, distinct_dims: frozenset[int]) -> bool:
-    """Whether this rank counts plain (replicated) tensors in a sum over ``root``."""
-    coordinate = root.get_coordinate()
-    assert coordinate is not None
-    return all(coordinate[dim] == 0 for dim in range(root.ndim) if dim not in distinct_dims)
+@dataclass(frozen=True, eq=False)
+class Holding:
+    """What this rank holds of one gradient; shared by gradients with equal layouts.
+
+    Attributes:
+        description: the gradient's global layout, the same text on every rank that holds it.
+        mesh: the gradient's DeviceMesh (None for a plain tensor).
+        mesh_ranks: the ranks of that mesh (this rank alone for a plain tensor).
+        replicas: identical copies of each shard inside the mesh: the sizes of its Replicate and
+            Partial dims multiplied.
+        global_numel: elements of the whole gradient.
+        local_numel: elements of this rank's shard.
+        partial_dims: ``(mesh dim, reduce op)`` for each dim along which the local values are
+            addends of the gradient rather than a shard of it.
+        dtype: the local tensor's dtype.
+        device: the local tensor's device.
+    """
+
+    description: str
+    mesh: DeviceMesh | None
+    mesh_ranks: frozenset[int]
+    replicas: int
+    global_numel: int
+    local_numel: int
+    partial_dims: tuple[tuple[int, str], ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+_by_spec: dict[int, tuple[object, Holding]] = {}  # id(spec) -> (spec, holding); holds the spec
+_by_value: dict[tuple, Holding] = {}
+
+
+def holding(grad: Tensor) -> Holding:
+    """The :class:`Holding` of ``grad`` on this rank (cached per layout)."""
+    if not isinstance(grad, DTensor):
+        key: tuple = (grad.shape, grad.dtype, grad.device)
+        found = _by_value.get(key)
+        return found if found is not None else _remember(key, _plain_holding(grad))
+    spec = grad._spec
+    entry = _by_spec.get(id(spec))
+    if entry is not None:
+        return entry[1]
+    key = (spec.mesh, tuple(spec.placements), spec.shape, grad.dtype)
+    found = _by_value.get(key) or _remember(key, _dtensor_holding(grad))
+    if len(_by_spec) >= _MAX_CACHED:
+        _by_spec.clear()
+    _by_spec[id(spec)] = (spec, found)  # keeping the spec alive keeps its id from being reused
+    return found
+
+
+def _remember(key: tuple, new: Holding) -> Holding:
+    if len(_by_value) >= _MAX_CACHED:
+        _by_value.clear()
+        _by_spec.clear()
+    _by_value[key] = new
+    return new
+
+
+def _plain_holding(grad: Tensor) -> Holding:
+    return Holding(
+        description=f"tensor shape={tuple(grad.shape)} dtype={grad.dtype}",
+        mesh=None,
+        mesh_ranks=frozenset({dist.get_rank()}),
+        replicas=1,
+        global_numel=grad.numel(),
+        local_numel=grad.numel(),
+        partial_dims=(),
+        dtype=grad.dtype,
+        device=grad.device,
+    )
+
+
+def _dtensor_holding(grad: DTensor) -> Holding:
+    mesh, placements = grad.device_mesh, tuple(grad.placements)
+    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+    shape = ", ".join(f"{name}={size}" for name, size in zip(names, mesh.shape, strict=True))
+    partial_dims = tuple(
+        (dim, getattr(placement, "reduce_op", "sum"))
+        for dim, placement in enumerate(placements)
+        if placement.is_partial() and mesh.size(dim) > 1
+    )
+    local = local_tensor(grad)
+    return Holding(
+        description=(
+            f"DTensor shape={tuple(grad.shape)} dtype={grad.dtype} placements={placements} "
+            f"on a mesh ({shape})"
+        ),
+        mesh=mesh,
+        mesh_ranks=frozenset(mesh.mesh.flatten().tolist()),
+        replicas=math.prod(
+            mesh.size(dim)
+            for dim, placement in enumerate(placements)
+            if placement.is_replicate() or placement.is_partial()
+        ),
+        global_numel=grad.numel(),
+        local_numel=local.numel(),
+        partial_dims=partial_dims,
+        dtype=local.dtype,
+        device=local.device,
+    )
+
+
+def weight(held: Holding, at: Stages, distinct: frozenset[int] | None) -> float:
+    """``1 / copies``: the weight of this rank's contribution for ``held``.
+
+    Args:
+        held: what this rank holds of the gradient.
+        at: the stages of the world.
+        distinct: ranks of the group along which the gradient's copies differ, or None.
+    """
+    distinct_size = len(distinct) if distinct else 1
+    return len(held.mesh_ranks) * distinct_size / (held.replicas * at.size)
+
+
+def layout_error(held: Holding, at: Stages, distinct: frozenset[int] | None) -> str | None:
+    """Why the copy count of ``held`` cannot be derived from rank maps, or None when it can."""
+    rank = dist.get_rank()
+    if rank not in held.mesh_ranks:
+        return None  # an empty shard: it contributes nothing whatever its weight
+    if held.mesh_ranks & at.pp_ranks != {rank}:
+        return (
+            f"a gradient's mesh holds ranks of other pipeline stages ({held.description}; "
+            f"pp_group ranks {sorted(at.pp_ranks)}): a parameter lives in one stage"
+        )
+    copies_of_mesh = at.size / len(held.mesh_ranks)
+    if distinct is not None:
+        if distinct & held.mesh_ranks != {rank} or distinct & at.pp_ranks != {rank}:
+            return (
+                f"distinct_along group (ranks {sorted(distinct)}) overlaps the mesh of "
+                f"{held.description} or the pipeline group: it must run across copies of the mesh"
+            )
+        copies_of_mesh /= len(distinct)
+    if copies_of_mesh < 1 or copies_of_mesh != int(copies_of_mesh):
+        return (
+            f"{held.description}: its mesh ({len(held.mesh_ranks)} ranks) "
+            f"{'and its distinct_along group ' if distinct else ''}do not tile a stage of "
+            f"{at.size} ranks"
+        )
+    return None
+
+
+def coverage(held: Holding, at: Stages) -> int:
+    """This rank's term of the self-check for ``held``; the terms of a stage sum to zero when every
+    rank of the stage holds a shard of the gradient on its own copy of the mesh."""
+    contributed = len(held.mesh_ranks) * held.local_numel
+    if at.is_reference:
+        contributed -= at.size * held.replicas * held.global_numel
+    return contributed

@@ -2,7 +2,7 @@
 
 Used by both :func:`~credit.parallel.domain.sync_domain_gradients` and
 :func:`~credit.parallel.tensor_parallel.sync_replicated_gradients` so the subtle DTensor handling
-lives in exactly one place. Also home to the mixed-mesh-safe gradient clipping used by the trainer.
+lives in exactly one place. Also home to the mixed-mesh-safe gradient clipping.
 
 Every function works without ``torch.distributed`` initialised, as on a world of one.
 """
@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from credit.parallel import _buckets, _inputs, _norms
+from credit.parallel._compat import local_tensor
 from credit.parallel._foreach import group_by_device_and_dtype, use_foreach
 from credit.parallel._groups import (
     GroupLike,
@@ -24,7 +25,7 @@ from credit.parallel._groups import (
     resolve_group,
     supports_native_avg,
 )
-from credit.parallel._inputs import TensorOrTensors
+from credit.parallel._inputs import DistinctAlong, TensorOrTensors
 from credit.parallel._layout_check import check_enabled, verify_same_layout
 
 __all__ = [
@@ -58,7 +59,7 @@ def all_reduce_avg(tensor: Tensor, group: GroupLike = None) -> None:
     process_group = resolve_group(group)
     if group_size(process_group) == 1:
         return
-    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     if supports_native_avg(process_group, local.device):
         dist.all_reduce(local, op=dist.ReduceOp.AVG, group=process_group)
     else:
@@ -106,8 +107,7 @@ def allreduce_grads_avg(
     process_group = resolve_group(group)
     if group_size(process_group) == 1 or not grad_list:
         return
-    # _local_tensor skips to_local()'s autograd bookkeeping, microseconds per gradient.
-    local = [g._local_tensor if isinstance(g, DTensor) else g for g in grad_list]
+    local = [local_tensor(g) for g in grad_list]
     if check_enabled(check):
         layout = [f"local shape={tuple(t.shape)} dtype={t.dtype}" for t in local]
         settings = f"bucket_cap_mb={bucket_cap_mb}"  # a different cap packs different buckets
@@ -123,6 +123,7 @@ def total_grad_norm(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
     pp_group: GroupLike = None,
+    distinct_along: DistinctAlong | None = None,
     dtype: torch.dtype | None = None,
     check: bool | None = None,
 ) -> Tensor:
@@ -131,27 +132,40 @@ def total_grad_norm(
     ``torch.nn.utils.get_total_norm`` stacks every per-gradient norm, and DTensor dispatch rejects
     operands on different meshes (and plain/DTensor mixes): with TP composed under FSDP2 the TP'd
     projections carry grads on the 2D (dp, tp) mesh while the rest live on the 1D dp mesh, and the
-    stack raises. Here each rank takes the norm of the local shards it counts (each distinct shard
-    is counted by exactly one rank of the gradients' root mesh; replicated copies once, the other
-    ranks contribute zeros), one all_reduce of that vector of per-gradient p-th powers (MAX for
-    inf) completes every gradient's norm, and their norm is the total. One collective of one
-    number per gradient, whatever the mix of meshes; with ``pp_group``, one number per rank.
+    stack raises. Here each rank takes the norms of its local shards, weights each by one over
+    the number of identical copies of that shard in the world (read from the meshes' rank maps:
+    the tp peers of a dp-sharded gradient, a Replicate dim, the ranks of a plain replicated
+    gradient), and one all_reduce of the vector of per-gradient p-th powers (MAX for inf)
+    completes every gradient's norm; their norm is the total. One collective of one number per
+    gradient, whatever the mix of meshes and however they were built; with ``pp_group``, one
+    number per rank. A NaN or inf in any copy of any gradient reaches every rank.
 
-    Plain tensors alone are reduced locally, exactly as torch does. On a homogeneous 1D mesh the
-    result has the same bits as torch's ``clip_grad_norm_(...).full_tensor()``.
+    Every rank of the world must call it, and within a pipeline stage every rank must pass the
+    same gradients in the same order (see ``check``). The first call for a layout verifies, in
+    one more small all_reduce, that the ranks' shards add up to exactly one count of every
+    element, and raises on every rank when they do not.
+
+    Plain tensors alone are reduced locally, exactly as torch does. DTensors on a mesh spanning
+    the world (FSDP2 over every rank) give the same bits as torch's
+    ``clip_grad_norm_(...).full_tensor()``.
 
     Args:
         grads: tensor or iterable of gradient tensors (dense or DTensor); None entries are skipped.
         norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
         error_if_nonfinite: raise RuntimeError (on every rank) when the total norm is nan or inf.
         foreach: use the foreach kernels; None uses them where the device supports them.
-        pp_group: ProcessGroup or 1D DeviceMesh of pipeline stages. With it the norm covers every
-            stage's gradients; when it is a dim of the gradients' mesh this costs no extra
-            collective.
+        pp_group: ProcessGroup or 1D DeviceMesh of this rank's pipeline peers (one rank per
+            stage). With it the norm covers every stage's gradients, at no extra collective.
+        distinct_along: ``(tensors, group)`` pairs declaring gradients whose copies differ along
+            ``group`` instead of being replicas: experts held per expert-parallel rank as plain
+            tensors or as DTensors on a mesh without the ep dim. Each copy then counts once.
+            Pass the same pairs on every rank.
         dtype: accumulate per-gradient norms in this dtype (e.g. ``torch.float32`` for bf16
             grads). On CUDA the foreach kernels read the low-precision gradients directly; on CPU
             each gradient is upcast in turn (a transient copy of one gradient at a time).
-        check: verify the gradient layout across ranks first (see :func:`allreduce_grads_avg`).
+        check: verify first that the ranks of each stage passed the same layout, and verify the
+            copy counts on every call (two small collectives). Default: on when the environment
+            variable ``CREDIT_PARALLEL_CHECK=1`` is set.
 
     Returns:
         The total norm as a plain scalar tensor (never a DTensor), the same on every rank.
@@ -159,12 +173,15 @@ def total_grad_norm(
     Raises:
         TypeError: an entry is not a tensor, a gradient is not floating point, or ``norm_type`` is
             not a number.
-        ValueError: a gradient is sparse or a DTensor with a Partial placement, ``norm_type`` is
-            not positive for distributed gradients, or the gradients' meshes share no root.
-        RuntimeError: ``error_if_nonfinite`` and the norm is not finite, or the check failed.
+        ValueError: a gradient is sparse, ``norm_type`` is not positive for distributed
+            gradients, or a mesh, ``pp_group`` or ``distinct_along`` group does not fit the
+            others (raised on every rank).
+        RuntimeError: ``error_if_nonfinite`` and the norm is not finite, the ranks' shards do not
+            add up to whole gradients, or the check failed (raised on every rank).
     """
     grad_list = _inputs.tensor_list(grads, "grads")
-    return _total_norm(grad_list, norm_type, error_if_nonfinite, foreach, pp_group, dtype, check)
+    request = _norms.request(grad_list, norm_type, foreach, pp_group, distinct_along, dtype, check)
+    return _total_norm(grad_list, request, error_if_nonfinite).total
 
 
 @torch.no_grad()
@@ -176,6 +193,7 @@ def clip_grad_norm_(
     foreach: bool | None = None,
     *,
     pp_group: GroupLike = None,
+    distinct_along: DistinctAlong | None = None,
     dtype: torch.dtype | None = None,
     check: bool | None = None,
 ) -> Tensor:
@@ -183,9 +201,9 @@ def clip_grad_norm_(
 
     The total norm comes from :func:`total_grad_norm`; every gradient, plain or DTensor, is then
     scaled on its local shard by ``min(max_norm / (total_norm + 1e-6), 1)``, as torch does. The
-    coefficient depends only on the global norm, so scaling shard by shard is exact. For a
-    homogeneous parameter set (plain tensors, or DTensors on one 1D mesh) the result and the
-    clipped gradients have the same bits as torch's.
+    coefficient depends only on the global norm, so scaling shard by shard is exact. For plain
+    tensors, and DTensors on a mesh spanning the world, the result and the clipped gradients have
+    the same bits as torch's.
 
     Args:
         parameters: tensor or iterable of tensors whose ``.grad`` is clipped in place.
@@ -194,9 +212,10 @@ def clip_grad_norm_(
         error_if_nonfinite: raise RuntimeError, leaving every gradient unmodified, when the total
             norm is nan or inf. The norm is the same on every rank, so every rank raises.
         foreach: use the foreach kernels; None uses them where the device supports them.
-        pp_group: pipeline-stage group, see :func:`total_grad_norm`.
+        pp_group: pipeline group, see :func:`total_grad_norm`.
+        distinct_along: ``(parameters, group)`` pairs, see :func:`total_grad_norm`.
         dtype: accumulation dtype of the norm, see :func:`total_grad_norm`.
-        check: verify the gradient layout across ranks first (see :func:`allreduce_grads_avg`).
+        check: verify the layout across ranks first, see :func:`total_grad_norm`.
 
     Returns:
         The total norm of the gradients (before clipping) as a plain scalar tensor, matching the
@@ -209,75 +228,38 @@ def clip_grad_norm_(
     """
     params = _inputs.parameter_list(parameters)
     _inputs.check_max_norm(max_norm)
-    grads = [p.grad for p in params if p.grad is not None]
-    total_norm = _total_norm(grads, norm_type, error_if_nonfinite, foreach, pp_group, dtype, check)
-    _scale_(grads, max_norm, total_norm, foreach)
-    return total_norm
+    grads = [grad for p in params if (grad := p.grad) is not None]
+    request = _norms.request(grads, norm_type, foreach, pp_group, distinct_along, dtype, check)
+    reduced = _total_norm(grads, request, error_if_nonfinite)
+    _scale_(reduced, max_norm, foreach)
+    return reduced.total
 
 
 def _total_norm(
-    grads: list[Tensor],
-    norm_type: float | str,
-    error_if_nonfinite: bool,
-    foreach: bool | None,
-    pp_group: GroupLike,
-    dtype: torch.dtype | None,
-    check: bool | None,
-) -> Tensor:
-    order = _inputs.norm_order(norm_type)
-    _inputs.check_grads(grads, "grads")
-    plan = _norms.plan(grads, pp_group)
-    if plan.groups and not order > 0:
-        raise ValueError(f"norm_type must be positive or inf for distributed grads, got {order}")
-    if plan.groups and check_enabled(check):
-        layout = [_global_layout(g) for g in grads]
-        settings = f"norm_type={order} dtype={dtype}"
-        verify_same_layout(layout, plan.layout_groups, plan.device, "total_grad_norm", settings)
-    result_dtype = _norms.result_dtype(grads, dtype)
-    if pp_group is None:
-        local = _norms.stacked_norms(plan.local, plan.counted, order, foreach, dtype)
-        reduce_dtype = result_dtype
-    else:
-        # Stages hold different gradients, maybe of different dtypes (or none): each rank sends
-        # one scalar, in float64 on every stage so that the collectives match.
-        local = _norms.local_norm(plan.counted_local(), order, foreach, dtype)
-        reduce_dtype = torch.float64
-    total = _norms.global_norm(local, order, plan.groups, reduce_dtype, plan.device)
-    total = total.to(result_dtype)
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
+    grads: list[Tensor], request: _norms.NormRequest, error_if_nonfinite: bool
+) -> _norms.Reduced:
+    reduced = _norms.reduce(grads, request)
+    if error_if_nonfinite and not bool(torch.isfinite(reduced.total)):
         raise RuntimeError(
-            f"The total norm of order {order} for gradients from `parameters` is non-finite, so it "
-            "cannot be clipped. To disable this error and scale the gradients by the non-finite "
-            "norm anyway, set `error_if_nonfinite=False`"
+            f"The total norm of order {request.order} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+            "by the non-finite norm anyway, set `error_if_nonfinite=False`"
         )
-    return total
+    return reduced
 
 
-def _global_layout(grad: Tensor) -> str:
-    if isinstance(grad, DTensor):
-        mesh = grad.device_mesh
-        return (
-            f"DTensor shape={tuple(grad.shape)} dtype={grad.dtype} "
-            f"placements={tuple(grad.placements)} mesh={mesh.mesh_dim_names}{tuple(mesh.shape)}"
-        )
-    return f"tensor shape={tuple(grad.shape)} dtype={grad.dtype}"
-
-
-def _scale_(
-    grads: list[Tensor], max_norm: float | Tensor, total_norm: Tensor, foreach: bool | None
-) -> None:
-    """torch's ``clip_grads_with_norm_`` on the local shards of ``grads``."""
-    if not grads:
+def _scale_(reduced: _norms.Reduced, max_norm: float | Tensor, foreach: bool | None) -> None:
+    """torch's ``clip_grads_with_norm_`` on the local shards of the gradients."""
+    if not reduced.local:
         return
-    local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
-    clip_coef = float(max_norm) / (total_norm + 1e-6)  # float(), as torch: it decides the bits
+    clip_coef = float(max_norm) / (reduced.total + 1e-6)  # float(), as torch: it decides the bits
     clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
-    grouped = group_by_device_and_dtype(local)
-    for (device, _), device_grads in grouped.items():
+    for device, indices in reduced.groups:
+        device_grads = [reduced.local[i] for i in indices]
+        coef = clip_coef_clamped.to(device)
         if use_foreach(foreach, device_grads, device):
-            torch._foreach_mul_(device_grads, clip_coef_clamped.to(device))
+            torch._foreach_mul_(device_grads, coef)
         else:
-            coef = clip_coef_clamped.to(device)
             for grad in device_grads:
                 grad.mul_(coef)
 

@@ -1,15 +1,14 @@
-"""Per-group gradient norms for logging, reduced together in one collective.
+"""Per-group gradient norms for logging, from the same single collective as the total norm.
 
-Each rank takes, for every group, the norm of the local shards it counts (the ownership rules of
-:func:`~credit.parallel.collectives.total_grad_norm`: every distinct shard counted once), raises it
-to the p-th power and packs all groups into one small vector; one all_reduce (SUM, or MAX for the
-inf norm) over the same groups as ``total_grad_norm`` then yields every group's norm and the total
-on every rank.
+The gradients go through the norm pipeline of
+:func:`~credit.parallel.collectives.total_grad_norm` (every distinct element counted once, every
+NaN seen): within one pipeline stage it yields each gradient's global norm, and each group's norm
+is the norm of its gradients' entries; across pipeline stages each rank sends one number per
+group. Either way one all_reduce gives every group's norm and the total on every rank.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -19,8 +18,10 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from credit.parallel import _inputs, _norms
-from credit.parallel._groups import GroupLike, resolve_group
-from credit.parallel.tensor_parallel import _is_shard, is_tp_sharded
+from credit.parallel._compat import is_shard
+from credit.parallel._groups import GroupLike
+from credit.parallel._inputs import DistinctAlong
+from credit.parallel.tensor_parallel import is_tp_sharded
 
 __all__ = ["DEFAULT_GROUPS", "TOTAL", "grad_norm_report"]
 
@@ -38,15 +39,16 @@ def grad_norm_report(
     group_by: GroupBy | None = None,
     groups: Sequence[str] | None = None,
     pp_group: GroupLike = None,
+    distinct_along: DistinctAlong | None = None,
     dtype: torch.dtype | None = None,
     foreach: bool | None = None,
+    check: bool | None = None,
 ) -> dict[str, float]:
     """Gradient norm of each group of parameters and of all of them, for logging.
 
     Works on any mix of plain and DTensor gradients (FSDP2, TP, both) like
-    :func:`~credit.parallel.collectives.total_grad_norm`, and costs the same collectives: one
-    all_reduce of a vector holding every group's contribution (plus one over ``pp_group`` when
-    the stages use separate meshes). Parameters without a gradient are skipped.
+    :func:`~credit.parallel.collectives.total_grad_norm`, through the same pipeline and at the
+    same cost: one all_reduce for all the groups. Parameters without a gradient are skipped.
 
     By default gradients are grouped by layout: ``"tp_sharded"`` (a DTensor sharded along a mesh
     dim named ``"tp"``), ``"fsdp"`` (any other sharded DTensor, e.g. FSDP2 on a dp mesh) and
@@ -66,21 +68,24 @@ def grad_norm_report(
         groups: every group name, in report order, the same on every rank. Groups without
             gradients report 0. Default: the names ``group_by`` returns, in order of first
             appearance (stage order under ``pp_group``), or the layout groups.
-        pp_group: ProcessGroup or 1D DeviceMesh of pipeline stages, as for ``total_grad_norm``.
+        pp_group: ProcessGroup or 1D DeviceMesh of pipeline peers, as for ``total_grad_norm``.
+        distinct_along: ``(parameters, group)`` pairs, as for ``total_grad_norm``.
         dtype: accumulate the norms in this dtype (e.g. ``torch.float32`` for bf16 gradients).
         foreach: use the foreach kernels; None uses them where the device supports them.
+        check: verify the layout across ranks first, as for ``total_grad_norm``.
 
     Returns:
         ``{group: norm, ..., "total": norm}`` as Python floats, identical on every rank. The
-        total is the norm of all the gradients; it agrees with ``total_grad_norm`` to a few
-        rounding steps (the p-th powers are summed per group first).
+        total is ``total_grad_norm``'s, bit for bit within one pipeline stage; across stages
+        it agrees to a few rounding steps (the p-th powers are summed per group first).
 
     Raises:
         TypeError: an entry is not a ``(str, Tensor)`` pair, a gradient is not floating point, a
             group name is not a string, or ``norm_type`` is not a number.
-        ValueError: ``norm_type`` is not positive, a gradient is sparse or Partial, a group is
-            named ``"total"``, ``groups`` repeats a name or misses a parameter's group, or the
-            gradients' meshes share no root.
+        ValueError: ``norm_type`` is not positive, a gradient is sparse, a group is named
+            ``"total"``, ``groups`` repeats a name or misses a parameter's group, or the layout
+            cannot be reduced (as for ``total_grad_norm``).
+        RuntimeError: as for ``total_grad_norm``.
 
     Example::
 
@@ -98,30 +103,43 @@ def grad_norm_report(
         raise ValueError(f"norm_type must be positive or inf, got {order}")
     named = _named_grads(named_parameters)
     grads = [grad for _, grad, _ in named]
-    _inputs.check_grads(grads, "grads")
+    request = _norms.request(
+        grads, order, foreach, pp_group, distinct_along, dtype, check, "grad_norm_report"
+    )
     keys = [_group_name(group_by, name, param) for name, _, param in named]
-    plan = _norms.plan(grads, pp_group)
-    pp_process_group = resolve_group(pp_group, "pp_group") if plan.groups else None
-    names = _report_names(keys, group_by, groups, pp_process_group)
-    by_name = _counted_by_name(names, keys, plan.local, plan.counted)
-    # float64 on every rank: stages may hold gradients of different dtypes, or none.
-    like = torch.empty(0, dtype=torch.float64, device=plan.device)
-    vector = _contributions(by_name, set(keys), order, foreach, dtype, like)
-    op = dist.ReduceOp.MAX if order == math.inf else dist.ReduceOp.SUM
-    for group in plan.groups:
-        dist.all_reduce(vector, op=op, group=group)
-    return _report(names, vector, order, keep_all=group_by is not None or groups is not None)
+    names = _report_names(keys, group_by, groups, request.pp_group)
+    segment_of = [names.index(key) for key in keys]
+    reduced = _norms.reduce(grads, request, segment_of, len(names))
+    if reduced.present is None:  # one stage: group the per-gradient norms
+        norms, present = _group_norms(reduced, segment_of, len(names), order)
+    else:
+        norms, present = reduced.entries, reduced.present > 0
+    values = torch.cat([norms.to(reduced.total), reduced.total.reshape(1)]).tolist()
+    keep_all = group_by is not None or groups is not None
+    report = {
+        name: value
+        for name, value, held in zip(names, values, present.tolist(), strict=False)
+        if keep_all or held
+    }
+    report[TOTAL] = values[-1]
+    return report
 
 
-def _counted_by_name(
-    names: list[str], keys: list[str], local: list[Tensor], counted: list[bool]
-) -> dict[str, list[Tensor]]:
-    """The local tensors this rank counts, per group name (every name present, in order)."""
-    by_name: dict[str, list[Tensor]] = {name: [] for name in names}
-    for key, tensor, is_counted in zip(keys, local, counted, strict=True):
-        if is_counted:
-            by_name[key].append(tensor)
-    return by_name
+def _group_norms(
+    reduced: _norms.Reduced, segment_of: list[int], count: int, order: float
+) -> tuple[Tensor, Tensor]:
+    """Each group's norm from the per-gradient norms, and whether the group has gradients."""
+    assert reduced.entry_inputs is not None
+    entries = reduced.entries
+    members: list[list[int]] = [[] for _ in range(count)]
+    for entry, index in enumerate(reduced.entry_inputs):
+        members[segment_of[index]].append(entry)
+    norms = [
+        torch.linalg.vector_norm(entries[indices], order) if indices else entries.new_zeros(())
+        for indices in members
+    ]
+    present = torch.tensor([bool(indices) for indices in members])
+    return (torch.stack(norms) if norms else entries.new_zeros(0)), present
 
 
 def _named_grads(
@@ -162,7 +180,7 @@ def _group_name(group_by: GroupBy | None, name: str, param: Tensor) -> str:
 def _layout_group(grad: Tensor | None) -> str:
     if grad is not None and is_tp_sharded(grad):
         return "tp_sharded"
-    if isinstance(grad, DTensor) and any(map(_is_shard, grad.placements)):
+    if isinstance(grad, DTensor) and any(map(is_shard, grad.placements)):
         return "fsdp"
     return "replicated"
 
@@ -192,43 +210,3 @@ def _report_names(
     per_stage: list[list[str] | None] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(per_stage, names, group=pp_group)
     return list(dict.fromkeys(name for stage in per_stage for name in stage or ()))
-
-
-def _contributions(
-    by_name: dict[str, list[Tensor]],
-    present: set[str],
-    order: float,
-    foreach: bool | None,
-    dtype: torch.dtype | None,
-    like: Tensor,
-) -> Tensor:
-    """One vector, with the dtype and device of ``like``: this rank's p-th power per group (the
-    norm itself for p = 1 or inf), then a 1 or 0 per group for holding gradients of it."""
-    zero, one = like.new_zeros(()), like.new_ones(())
-    powers = []
-    for tensors in by_name.values():
-        norm = _norms.local_norm(tensors, order, foreach, dtype)
-        value = zero if norm is None else norm.to(like)
-        powers.append(value if order in (1.0, math.inf) else value**order)
-    flags = [one if name in present else zero for name in by_name]
-    return torch.stack(powers + flags) if powers else like
-
-
-def _report(names: list[str], vector: Tensor, order: float, keep_all: bool) -> dict[str, float]:
-    count = len(names)
-    powers, present = vector[:count], vector[count:]
-    if order == math.inf:
-        norms = powers
-        total = powers.max() if count else vector.new_zeros(())
-    else:
-        norms = powers if order == 1.0 else powers ** (1.0 / order)
-        total = powers.sum() if order == 1.0 else powers.sum() ** (1.0 / order)
-    values = torch.cat([norms, total.reshape(1)]).tolist()
-    flags = present.tolist()
-    report = {
-        name: value
-        for name, value, flag in zip(names, values, flags, strict=False)
-        if keep_all or flag
-    }
-    report[TOTAL] = values[-1]
-    return report

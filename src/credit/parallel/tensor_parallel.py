@@ -12,19 +12,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor
 
 from credit.parallel import _inputs
+from credit.parallel._compat import is_shard
 from credit.parallel._groups import GroupLike, peer_group
 from credit.parallel._inputs import TensorOrTensors
 from credit.parallel.collectives import allreduce_grads_avg
-
-try:  # the right-to-left shard of FSDP2 + TP; no longer a Shard subclass in recent torch
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    _SHARD_TYPES: tuple[type, ...] = (Shard, _StridedShard)
-except ImportError:  # pragma: no cover - torch without _StridedShard
-    _SHARD_TYPES = (Shard,)
 
 __all__ = ["is_tp_sharded", "sync_replicated_gradients"]
 
@@ -50,7 +44,7 @@ def is_tp_sharded(tensor: Tensor, tp_dim: str = DEFAULT_TP_DIM) -> bool:
     names = tensor.device_mesh.mesh_dim_names
     if names is None or tp_dim not in names:
         return False
-    return _is_shard(tensor.placements[names.index(tp_dim)])
+    return is_shard(tensor.placements[names.index(tp_dim)])
 
 
 @torch.no_grad()
@@ -96,10 +90,6 @@ def sync_replicated_gradients(
     dim = tp_dim if tp_dim is not None else _group_dim_name(tp_group)
     replicated = [p.grad for p in params if p.grad is not None and not _param_sharded(p, dim)]
     allreduce_grads_avg(replicated, process_group, check=check)
-
-
-def _is_shard(placement: Placement) -> bool:
-    return isinstance(placement, _SHARD_TYPES) or placement.is_shard()
 
 
 def _param_sharded(param: Tensor, tp_dim: str) -> bool:
