@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import credit.parallel._groups as groups_module
-from credit.parallel import all_reduce_avg, allreduce_grads_avg
+from credit.parallel.collectives import all_reduce_avg, allreduce_grads_avg
 
 INTEGER_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 # 128 bytes: 32 fp32, 64 bf16 or 16 fp64 elements per bucket, so the grads below need several.

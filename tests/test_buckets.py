@@ -22,8 +22,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from credit.parallel import _buckets, allreduce_grads_avg, contiguous_grads_
+from credit.parallel import _buckets
 from credit.parallel.bench._memory import extra_memory
+from credit.parallel.collectives import allreduce_grads_avg, contiguous_grads_
 
 MiB = 2**20
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16}

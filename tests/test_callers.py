@@ -29,15 +29,13 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel
 
-from credit.parallel import (
-    ParallelMesh,
-    allreduce_grads_avg,
-    build_device_mesh,
-    clip_grad_norm_,
+from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_
+from credit.parallel.grad_sync import (
     is_tp_sharded,
     sync_domain_gradients,
     sync_replicated_gradients,
 )
+from credit.parallel.parallel_mesh import ParallelMesh, build_device_mesh
 
 SEED = 7
 LAYOUTS = ("fsdp_tp", "tp", "ddp")

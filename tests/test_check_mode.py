@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from credit.parallel import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
 from credit.parallel._layout_check import ENV_VAR, verify_same_layout
+from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
 
 WORLD = 4
 ODD_RANK = 3  # the rank whose layout differs

@@ -2,7 +2,7 @@
 
 The example (docs/examples/fsdp_tp_domain.py) runs for real, its ``main`` called on 8 gloo ranks,
 as a (dp=2, tp=2, domain=2) mesh: FSDP2, TP, domain averaging, gradient accumulation and
-credit.parallel.clip_grad_norm_. Oracle: the same model, initial weights and data trained in this
+credit.parallel.collectives.clip_grad_norm_. Oracle: the same model, initial weights and data trained in this
 process without any parallelism, clipped by torch.nn.utils.clip_grad_norm_. Every step clips
 (max_norm 0.5 is below every norm), so a wrong norm or a wrong coefficient at one step also moves
 every later step.

@@ -26,7 +26,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from credit.parallel import all_reduce_avg, allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+from credit.parallel.collectives import (
+    all_reduce_avg,
+    allreduce_grads_avg,
+    clip_grad_norm_,
+    total_grad_norm,
+)
 
 
 def _bits(tensor: Tensor) -> Tensor:

@@ -25,13 +25,9 @@ from layouts import build, full_grads, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import (
-    allreduce_grads_avg,
-    clip_grad_norm_,
-    grad_norm_report,
-    total_grad_norm,
-)
 from credit.parallel._store import host_store
+from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+from credit.parallel.norm_report import grad_norm_report
 
 HOST = "127.0.0.1"
 PROCESS_GROUP_TIMEOUT_S = 5.0

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from credit.parallel import ParallelMesh, build_device_mesh
+from credit.parallel.parallel_mesh import ParallelMesh, build_device_mesh
 
 WORLD_SIZES = (1, 2, 4, 8)
 

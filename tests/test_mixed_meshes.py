@@ -13,7 +13,7 @@ import torch
 from layouts import LAYOUTS, build, full_grads, grads, same_bits_everywhere, ulp_distance
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import clip_grad_norm_, total_grad_norm
+from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 
 NORM_TYPES = (0.5, 1.0, 2.0, 3.0, math.inf)
 

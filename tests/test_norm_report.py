@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from credit.parallel import total_grad_norm
+from credit.parallel.collectives import total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
 
 NORM_TYPES = (1.0, 2.0, math.inf)

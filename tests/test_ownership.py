@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-from credit.parallel import clip_grad_norm_, total_grad_norm
+from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 
 TOLERANCE_ULP = 8
 

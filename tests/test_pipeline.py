@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
-from credit.parallel import clip_grad_norm_, total_grad_norm
+from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 
 NORM_TYPES = (1.0, 2.0, 3.0, math.inf)
 DIM = 16

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.profiler import ProfilerActivity, profile
 
-from credit.parallel import total_grad_norm
+from credit.parallel.collectives import total_grad_norm
 
 FLOAT32_TOLERANCE_ULP = 8
 BF16_DEFAULT_MIN_ULP = 32 * FLOAT32_TOLERANCE_ULP

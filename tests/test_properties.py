@@ -52,7 +52,7 @@ from layouts import mesh, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from credit.parallel import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
 
 WORLD = 4
 MESHES = {"1d": ((4,), ("dp",)), "2d": ((2, 2), ("dp", "tp"))}

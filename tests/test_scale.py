@@ -57,7 +57,7 @@ def _count_with_pipeline(dp: int, tp: int) -> int:
     """One norm over two pipeline stages: a (pp=2, dp/2, tp) mesh with pp_group its pp dim."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from credit.parallel import total_grad_norm
+    from credit.parallel.collectives import total_grad_norm
 
     pp_mesh = init_device_mesh("cpu", (2, dp // 2, tp), mesh_dim_names=("pp", "dp", "tp"))
     grads = _mixed_grads(pp_mesh["dp", "tp"])
@@ -72,7 +72,7 @@ def _counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from credit.parallel import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+    from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
 
     world = dp * tp
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

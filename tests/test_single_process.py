@@ -13,7 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from credit.parallel import all_reduce_avg, allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+from credit.parallel.collectives import (
+    all_reduce_avg,
+    allreduce_grads_avg,
+    clip_grad_norm_,
+    total_grad_norm,
+)
 
 INTEGER_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 NORM_TYPES = (1.0, 2.0, 3.0, math.inf, "inf")

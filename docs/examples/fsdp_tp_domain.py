@@ -25,14 +25,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from credit.parallel import (
-    ParallelMesh,
-    all_reduce_avg,
-    build_device_mesh,
-    clip_grad_norm_,
-    sync_domain_gradients,
-    sync_replicated_gradients,
-)
+from credit.parallel.collectives import all_reduce_avg, clip_grad_norm_
+from credit.parallel.grad_sync import sync_domain_gradients, sync_replicated_gradients
+from credit.parallel.parallel_mesh import ParallelMesh, build_device_mesh
 
 SEED = 0
 LAT, LON = 8, 16  # the globe; each domain rank holds LAT // domain latitude rows

@@ -1,7 +1,7 @@
 """Shared gradient all-reduce machinery for the parallel package.
 
-Used by both :func:`~credit.parallel.domain.sync_domain_gradients` and
-:func:`~credit.parallel.tensor_parallel.sync_replicated_gradients` so the subtle DTensor handling
+Used by both :func:`~credit.parallel.grad_sync.sync_domain_gradients` and
+:func:`~credit.parallel.grad_sync.sync_replicated_gradients` so the subtle DTensor handling
 lives in exactly one place. Also home to the mixed-mesh-safe gradient clipping.
 
 Every function works without ``torch.distributed`` initialised, as on a world of one.

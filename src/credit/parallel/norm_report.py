@@ -21,7 +21,7 @@ from credit.parallel import _inputs, _norms
 from credit.parallel._compat import is_shard
 from credit.parallel._groups import GroupLike
 from credit.parallel._inputs import DistinctAlong
-from credit.parallel.tensor_parallel import is_tp_sharded
+from credit.parallel.grad_sync import is_tp_sharded
 
 __all__ = ["DEFAULT_GROUPS", "TOTAL", "grad_norm_report"]
 

@@ -28,13 +28,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from credit.parallel import (
-    _buckets,
-    allreduce_grads_avg,
-    clip_grad_norm_,
-    contiguous_grads_,
-    total_grad_norm,
-)
+from credit.parallel import _buckets
 from credit.parallel.bench import _baselines, _workloads
 from credit.parallel.bench._memory import extra_memory
 from credit.parallel.bench._report import (
@@ -46,6 +40,12 @@ from credit.parallel.bench._report import (
     speedup_row,
 )
 from credit.parallel.bench._timing import Progress, measure, median_ms
+from credit.parallel.collectives import (
+    allreduce_grads_avg,
+    clip_grad_norm_,
+    contiguous_grads_,
+    total_grad_norm,
+)
 
 
 @dataclass

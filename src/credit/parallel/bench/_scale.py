@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from credit.parallel import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
 
 # 40 blocks: a norm's two grads on the 1D dp mesh (FSDP2), four TP'd grads on the 2D mesh.
 BLOCKS = 40

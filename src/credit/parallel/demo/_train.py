@@ -32,9 +32,8 @@ from credit.parallel.demo._model import (
     latitude_weights,
     parallelize,
 )
-from credit.parallel.domain import sync_domain_gradients
-from credit.parallel.mesh import ParallelMesh, build_device_mesh
-from credit.parallel.tensor_parallel import sync_replicated_gradients
+from credit.parallel.grad_sync import sync_domain_gradients, sync_replicated_gradients
+from credit.parallel.parallel_mesh import ParallelMesh, build_device_mesh
 
 logger = logging.getLogger(__name__)
 
