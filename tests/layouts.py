@@ -9,6 +9,9 @@ on a 2D (replicate, shard) mesh), "fsdp_tp" (TP on tp, FSDP2 on dp of a (dp=2, t
 (TP only on a 1D tp mesh, the second block left out of the plan: DTensor grads beside plain ones).
 Every model has a frozen layer (grad None) and a 1-row head weight, which leaves one dp rank an
 empty shard.
+
+The tests use the tiny defaults (2 blocks, dim 16); the benchmark (``benchmarks/``) builds the same
+layouts larger, through the size arguments of :func:`build`, on its own meshes and devices.
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ IN_DIM, DIM, HIDDEN = 6, 16, 24
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.q = nn.Linear(DIM, DIM)
-        self.o = nn.Linear(DIM, DIM)
-        self.w1 = nn.Linear(DIM, HIDDEN)
-        self.w2 = nn.Linear(HIDDEN, DIM)
+        self.norm = nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.w1 = nn.Linear(dim, hidden)
+        self.w2 = nn.Linear(hidden, dim)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.norm(x)
@@ -48,13 +51,15 @@ class Block(nn.Module):
 
 
 class TinyNet(nn.Module):
-    def __init__(self) -> None:
+    """Embedding, a frozen layer, ``blocks`` blocks and a 1-row head: ``10 * blocks + 4`` grads."""
+
+    def __init__(self, blocks: int = 2, dim: int = DIM, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.embed = nn.Linear(IN_DIM, DIM)
-        self.frozen = nn.Linear(DIM, DIM)
+        self.embed = nn.Linear(IN_DIM, dim)
+        self.frozen = nn.Linear(dim, dim)
         self.frozen.requires_grad_(False)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(DIM, 1)  # a 1-row weight: one dp rank of two gets an empty shard
+        self.blocks = nn.ModuleList([Block(dim, hidden) for _ in range(blocks)])
+        self.head = nn.Linear(dim, 1)  # a 1-row weight: one dp rank of two gets an empty shard
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.frozen(self.embed(x))
@@ -71,10 +76,14 @@ TP_PLAN = {
 }
 
 
+def mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type: str = "cpu") -> DeviceMesh:
+    """A DeviceMesh (CPU by default), cached so reused worker processes do not pile up groups."""
+    return _cached_mesh(shape, names, device_type)
+
+
 @functools.cache
-def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """A CPU DeviceMesh, cached so reused worker processes do not pile up process groups."""
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+def _cached_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type: str) -> DeviceMesh:
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 @dataclass
@@ -84,28 +93,46 @@ class Built:
     dp_size: int
 
 
-def build(layout: str, seed: int = 0, grad_scale: float = 1.0) -> Built:
-    """Build ``layout`` on the current world and leave gradients from one backward in place."""
+def build(
+    layout: str,
+    seed: int = 0,
+    grad_scale: float = 1.0,
+    *,
+    blocks: int = 2,
+    dim: int = DIM,
+    hidden: int = HIDDEN,
+    device: str = "cpu",
+    dp_mesh: DeviceMesh | None = None,
+) -> Built:
+    """Build ``layout`` on the current world and leave gradients from one backward in place.
+
+    Args:
+        layout: one of :data:`LAYOUTS`.
+        seed: fixes the weights and the global batch.
+        grad_scale: multiplies the loss.
+        blocks, dim, hidden: the model's size (see :class:`TinyNet`).
+        device: where the model and its meshes live ("cpu", or "cuda" with the current device).
+        dp_mesh: for "fsdp", the 1D mesh to shard over (default: every rank).
+    """
     world = dist.get_world_size()
     torch.manual_seed(seed)
-    model = TinyNet()
-    rank = dist.get_rank()
+    model = TinyNet(blocks, dim, hidden).to(device)
     if layout == "plain":
         dp_rank, dp_size = 0, 1
     elif layout == "fsdp":
-        dp_mesh = mesh((world,), ("dp",))
+        dp_mesh = dp_mesh if dp_mesh is not None else mesh((world,), ("dp",), device)
         for block in model.blocks:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
-        dp_rank, dp_size = rank, world
+        dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     elif layout == "hsdp":
-        hsdp_mesh = mesh((2, world // 2), ("replicate", "shard"))
+        hsdp_mesh = mesh((2, world // 2), ("replicate", "shard"), device)
         for block in model.blocks:
             fully_shard(block, mesh=hsdp_mesh)
         fully_shard(model, mesh=hsdp_mesh)
-        dp_rank, dp_size = rank, world
+        dp_rank, dp_size = dist.get_rank(), world
     elif layout == "fsdp_tp":
-        world_mesh = mesh((world // 2, 2), ("dp", "tp"))
+        world_mesh = mesh((world // 2, 2), ("dp", "tp"), device)
         for block in model.blocks:
             parallelize_module(block, world_mesh["tp"], TP_PLAN)
             fully_shard(block, mesh=world_mesh["dp"])
@@ -114,20 +141,28 @@ def build(layout: str, seed: int = 0, grad_scale: float = 1.0) -> Built:
         assert coordinate is not None
         dp_rank, dp_size = coordinate[0], world // 2
     elif layout == "tp":
-        tp_mesh = mesh((world,), ("tp",))
+        tp_mesh = mesh((world,), ("tp",), device)
         parallelize_module(model.blocks[0], tp_mesh, TP_PLAN)
         dp_rank, dp_size = 0, 1
     else:
         raise ValueError(f"unknown layout {layout!r}")
-    run_step(model, seed, dp_rank, dp_size, grad_scale)
+    run_step(model, seed, dp_rank, dp_size, grad_scale, device=device)
     return Built(model, dp_rank, dp_size)
 
 
-def run_step(model: nn.Module, seed: int, dp_rank: int, dp_size: int, scale: float = 1.0) -> None:
+def run_step(
+    model: nn.Module,
+    seed: int,
+    dp_rank: int,
+    dp_size: int,
+    scale: float = 1.0,
+    *,
+    device: str = "cpu",
+) -> None:
     """One forward/backward on this dp rank's slice of a global batch fixed by ``seed``."""
     generator = torch.Generator().manual_seed(seed + 1)
     batch = torch.randn(4 * dp_size, IN_DIM, generator=generator)
-    local = batch.chunk(dp_size)[dp_rank]
+    local = batch.chunk(dp_size)[dp_rank].to(device)
     loss = model(local).pow(2).mean() * scale
     loss.backward()
 

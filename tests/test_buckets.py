@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from layouts import TinyNet, run_step
+from memory import extra_memory
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -23,7 +24,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from credit.parallel import _buckets
-from credit.parallel.bench._memory import extra_memory
 from credit.parallel.collectives import allreduce_grads_avg, contiguous_grads_
 
 MiB = 2**20

@@ -25,6 +25,7 @@ from layouts import build, full_grads, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from credit.parallel._compat import local_tensor
 from credit.parallel._store import host_store
 from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
@@ -39,7 +40,7 @@ NONFINITE_RANK = 3  # (dp=1, tp=1) of the (2, 2) mesh
 
 
 def _bits(tensor: Tensor) -> Tensor:
-    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     return local.detach().clone().contiguous().view(-1).view(torch.uint8)
 
 
@@ -60,19 +61,25 @@ def _poison_one_shard(model: nn.Module, value: float) -> str:
     return name
 
 
-def _nonfinite_norm(value: float, norm_type: float) -> dict:
-    model = build("fsdp_tp").model
-    poisoned = _poison_one_shard(model, value)
-    params = [p for p in model.parameters() if p.grad is not None]
+def _clip_refusing_nonfinite(
+    params: list[nn.Parameter], norm_type: float
+) -> tuple[str | None, bool]:
+    """Clip with ``error_if_nonfinite``: (the error's message or None, no gradient changed)."""
     before = [_bits(p.grad) for p in params]
-
     raised = None
     try:
         clip_grad_norm_(params, 1.0, norm_type, error_if_nonfinite=True)
     except RuntimeError as error:
         raised = str(error)
     unchanged = all(torch.equal(b, _bits(p.grad)) for b, p in zip(before, params, strict=True))
+    return raised, unchanged
 
+
+def _nonfinite_norm(value: float, norm_type: float) -> dict:
+    model = build("fsdp_tp").model
+    poisoned = _poison_one_shard(model, value)
+    params = [p for p in model.parameters() if p.grad is not None]
+    raised, unchanged = _clip_refusing_nonfinite(params, norm_type)
     norm = total_grad_norm([p.grad for p in params], norm_type)
     materialised = [g.clone() for g in full_grads(model)]
     reference = [nn.Parameter(torch.zeros(g.shape)) for g in materialised]
@@ -140,16 +147,10 @@ def _nonfinite_in_a_copy(where: str, value: float, norm_type: float) -> dict:
     layout, rank, select = COPIES[where]
     model = build(layout).model
     params = [p for p in model.parameters() if p.grad is not None]
-    grad = next(p.grad for p in params if select(p.grad) and _local(p.grad).numel() > 0)
+    grad = next(p.grad for p in params if select(p.grad) and local_tensor(p.grad).numel() > 0)
     if dist.get_rank() == rank:
-        _local(grad).view(-1)[0] = value
-    before = [_bits(p.grad) for p in params]
-    raised = None
-    try:
-        clip_grad_norm_(params, 1.0, norm_type, error_if_nonfinite=True)
-    except RuntimeError as error:
-        raised = str(error)
-    unchanged = all(torch.equal(b, _bits(p.grad)) for b, p in zip(before, params, strict=True))
+        local_tensor(grad).view(-1)[0] = value
+    raised, unchanged = _clip_refusing_nonfinite(params, norm_type)
     norm = total_grad_norm([p.grad for p in params], norm_type)
     report = grad_norm_report(model.named_parameters(), norm_type)
     return {
@@ -159,10 +160,6 @@ def _nonfinite_in_a_copy(where: str, value: float, norm_type: float) -> dict:
         "report": str(report["total"]),
         "same_bits": same_bits_everywhere(norm),
     }
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 @pytest.mark.parametrize("where", COPIES)

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from credit.parallel._foreach import group_by_device_and_dtype
-from credit.parallel._groups import supports_native_avg
+from credit.parallel._groups import Averaging, averaging
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +67,6 @@ class _Bucket:
     numel: int = 0
 
 
-@dataclass(frozen=True)
-class _Reduction:
-    """How to average over a group: the collective's op, then a division (1 for none)."""
-
-    op: dist.ReduceOp.RedOpType
-    divisor: int
-
-
 @dataclass
 class _InFlight:
     work: dist.Work
@@ -91,10 +83,9 @@ def average_(tensors: list[Tensor], group: ProcessGroup | None, bucket_cap_bytes
         group: the process group to average over (None for the world).
         bucket_cap_bytes: the largest bucket, in bytes.
     """
-    world = dist.get_world_size(group)
     in_place: list[tuple[dist.Work, Tensor, int]] = []
     for (device, dtype), same_kind in group_by_device_and_dtype(tensors).items():
-        reduction = _reduction(group, device, world)
+        reduction = _averaging(group, device)
         base = _tiled_buffer(same_kind)
         if base is not None:
             in_place.append(_launch(base, reduction, group))
@@ -109,14 +100,15 @@ def average_(tensors: list[Tensor], group: ProcessGroup | None, bucket_cap_bytes
             tensor.div_(divisor)
 
 
-def _reduction(group: ProcessGroup | None, device: torch.device, world: int) -> _Reduction:
-    if device.type != "cpu" and supports_native_avg(group, device):
-        return _Reduction(dist.ReduceOp.AVG, 1)
-    return _Reduction(dist.ReduceOp.SUM, world)
+def _averaging(group: ProcessGroup | None, device: torch.device) -> Averaging:
+    """On CPU always SUM: the division is then fused into the copy back (see the module doc)."""
+    if device.type == "cpu":
+        return Averaging(dist.ReduceOp.SUM, dist.get_world_size(group))
+    return averaging(group, device)
 
 
 def _launch(
-    tensor: Tensor, reduction: _Reduction, group: ProcessGroup | None
+    tensor: Tensor, reduction: Averaging, group: ProcessGroup | None
 ) -> tuple[dist.Work, Tensor, int]:
     work = dist.all_reduce(tensor, op=reduction.op, group=group, async_op=True)
     assert work is not None
@@ -140,7 +132,7 @@ def _reduce_in_buckets(
     tensors: list[Tensor],
     kind: _Kind,
     cap: int,
-    reduction: _Reduction,
+    reduction: Averaging,
     group: ProcessGroup | None,
 ) -> None:
     buckets = _pack(tensors, cap)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -62,6 +64,21 @@ def group_ranks(group: ProcessGroup | None) -> list[int]:
     if group is None:
         return list(range(dist.get_world_size()))
     return dist.get_process_group_ranks(group)
+
+
+@dataclass(frozen=True)
+class Averaging:
+    """How to average over a group: the collective's op, then a division (1 for none)."""
+
+    op: dist.ReduceOp.RedOpType
+    divisor: int
+
+
+def averaging(group: ProcessGroup | None, device: torch.device) -> Averaging:
+    """``ReduceOp.AVG`` where the backend has it for ``device``, else SUM and a division."""
+    if supports_native_avg(group, device):
+        return Averaging(dist.ReduceOp.AVG, 1)
+    return Averaging(dist.ReduceOp.SUM, dist.get_world_size(group))
 
 
 def supports_native_avg(group: ProcessGroup | None, device: torch.device) -> bool:

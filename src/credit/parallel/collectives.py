@@ -21,9 +21,9 @@ from credit.parallel._compat import local_tensor
 from credit.parallel._foreach import group_by_device_and_dtype, use_foreach
 from credit.parallel._groups import (
     GroupLike,
+    averaging,
     group_size,
     resolve_group,
-    supports_native_avg,
 )
 from credit.parallel._inputs import DistinctAlong, TensorOrTensors
 from credit.parallel._layout_check import check_enabled, verify_same_layout
@@ -60,11 +60,10 @@ def all_reduce_avg(tensor: Tensor, group: GroupLike = None) -> None:
     if group_size(process_group) == 1:
         return
     local = local_tensor(tensor)
-    if supports_native_avg(process_group, local.device):
-        dist.all_reduce(local, op=dist.ReduceOp.AVG, group=process_group)
-    else:
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=process_group)
-        local.div_(dist.get_world_size(process_group))
+    how = averaging(process_group, local.device)
+    dist.all_reduce(local, op=how.op, group=process_group)
+    if how.divisor != 1:
+        local.div_(how.divisor)
 
 
 @torch.no_grad()

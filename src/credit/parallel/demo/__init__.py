@@ -10,8 +10,9 @@ single-process replica of the same model on the same global batches with torch's
 and prints, step by step, both losses and gradient norms and their relative differences, then a
 verdict. The exit status is 0 when the run matches the replica within the tolerance.
 
-By default 4 gloo ranks on CPU (dp=2 x tp=2) are launched through torch's elastic launcher;
-started by ``torchrun``, the command runs as the rank torchrun started instead.
+By default 4 gloo ranks on CPU (dp=2 x tp=2) are launched on this machine through torch's elastic
+launcher; started by ``torchrun`` (on one node or many), the command runs as the rank torchrun
+started instead.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def main(argv: list[str]) -> int:
     if options.in_place:
         from credit.parallel.demo._train import run_worker
 
-        return run_worker(options, own_store=False)
+        return run_worker(options)
     from credit.parallel.demo._launch import launch
 
     return launch(options)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 from collections.abc import Callable
@@ -42,14 +41,6 @@ class Options:
     max_norm: float
     seed: int
     rtol: float
-    nnodes: int
-    node_rank: int
-    nproc_per_node: int
-    rdzv_host: str
-    rdzv_port: int  # 0: a free port picked by the OS (one node only)
-    rdzv_id: str
-    rdzv_timeout: int
-    local_addr: str | None
     start_method: str
     in_place: bool  # started by torchrun: run as this rank, launch nothing
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -57,10 +48,6 @@ class Options:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.domain
-
-    @property
-    def loopback(self) -> bool:
-        return is_loopback(self.rdzv_host)
 
 
 def parse(argv: list[str]) -> Options:
@@ -73,15 +60,6 @@ def parse(argv: list[str]) -> Options:
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 T = TypeVar("T")
@@ -105,7 +83,6 @@ def _number(
 
 
 _positive_int = _number(int, lambda value: value >= 1, "a positive integer")
-_non_negative_int = _number(int, lambda value: value >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda value: 0 < value < float("inf"), "a positive finite number")
 
 
@@ -115,8 +92,9 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Train a tiny weather model on real ranks with FSDP2 + tensor parallelism + domain "
             "parallelism, with credit.parallel's gradient syncs and clipping, and check every "
-            "step against a single-process replica. Launches its ranks through torch's elastic "
-            "launcher; under torchrun it runs as the rank torchrun started."
+            "step against a single-process replica. Launches its ranks on this machine through "
+            "torch's elastic launcher, listening on 127.0.0.1 only; under torchrun (on one "
+            "node or many) it runs as the rank torchrun started."
         ),
     )
     _add_layout(parser.add_argument_group("layout"))
@@ -130,7 +108,8 @@ def _add_layout(group: argparse._ArgumentGroup) -> None:
         "--dp",
         type=_positive_int,
         metavar="N",
-        help=f"data-parallel size (FSDP2). Default: {DEFAULT_DP}, or world size / (tp * domain)",
+        help=f"data-parallel size (FSDP2). Default: {DEFAULT_DP}, or under torchrun world size / "
+        "(tp * domain)",
     )
     group.add_argument(
         "--tp",
@@ -183,51 +162,6 @@ def _add_training(group: argparse._ArgumentGroup) -> None:
 
 def _add_launch(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
-        "--nproc-per-node",
-        type=_positive_int,
-        metavar="N",
-        help="ranks on this node. Default: world size / nnodes",
-    )
-    group.add_argument(
-        "--nnodes",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="launcher agents (nodes) taking part. Default: 1",
-    )
-    group.add_argument(
-        "--node-rank",
-        type=_non_negative_int,
-        default=0,
-        metavar="N",
-        help="this node's index; node 0 hosts the rendezvous. Default: 0",
-    )
-    group.add_argument(
-        "--rdzv-endpoint",
-        default="127.0.0.1",
-        metavar="HOST[:PORT]",
-        help="c10d rendezvous address (a port is needed with --nnodes > 1). Default: 127.0.0.1, "
-        "a free port",
-    )
-    group.add_argument(
-        "--rdzv-id",
-        default="credit-parallel-demo",
-        help="rendezvous run id, the same on every node",
-    )
-    group.add_argument(
-        "--rdzv-timeout",
-        type=_positive_int,
-        default=120,
-        metavar="S",
-        help="seconds to wait for every node. Default: 120",
-    )
-    group.add_argument(
-        "--local-addr",
-        metavar="HOST",
-        help="this node's address for its ranks' connections. Default: 127.0.0.1 with a "
-        "loopback rendezvous, else the host name",
-    )
-    group.add_argument(
         "--start-method",
         choices=START_METHODS,
         help="how ranks are started. Default: fork with gloo on Linux, else spawn",
@@ -235,20 +169,14 @@ def _add_launch(group: argparse._ArgumentGroup) -> None:
 
 
 def _resolve(args: argparse.Namespace, in_place: bool) -> Options:
-    host, port = _endpoint(args.rdzv_endpoint)
     model = ModelConfig()
     _check_model_fit(args.tp, args.domain, model)
-    if in_place:
-        dp, nproc = _in_place_sizes(args)
-    else:
-        dp, nproc = _launch_sizes(args)
-        _check_nodes(args, port)
+    dp = _in_place_dp(args) if in_place else (args.dp or DEFAULT_DP)
     if args.backend == "nccl":
-        _check_cuda(nproc)
+        _check_cuda(int(os.environ.get("LOCAL_WORLD_SIZE", dp * args.tp * args.domain)))
     start_method = args.start_method or (
         "fork" if args.backend == "gloo" and sys.platform.startswith("linux") else "spawn"
     )
-    local_addr = args.local_addr or ("127.0.0.1" if is_loopback(host) else None)
     return Options(
         dp=dp,
         tp=args.tp,
@@ -262,33 +190,10 @@ def _resolve(args: argparse.Namespace, in_place: bool) -> Options:
         max_norm=args.max_norm,
         seed=args.seed,
         rtol=args.rtol,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        nproc_per_node=nproc,
-        rdzv_host=host,
-        rdzv_port=port,
-        rdzv_id=args.rdzv_id,
-        rdzv_timeout=args.rdzv_timeout,
-        local_addr=local_addr,
         start_method=start_method,
         in_place=in_place,
         model=model,
     )
-
-
-def _endpoint(text: str) -> tuple[str, int]:
-    """``HOST``, ``HOST:PORT`` or ``[IPV6]:PORT``; port 0 when absent."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep or (text.count(":") > 1 and not text.startswith("[")):
-        host, port_text = text, ""
-    host = host.strip("[]")
-    if not host:
-        raise ValueError(f"--rdzv-endpoint {text!r} has no host")
-    if not port_text:
-        return host, 0
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"--rdzv-endpoint {text!r}: the port must be a number in 1..65535")
-    return host, int(port_text)
 
 
 def _check_model_fit(tp: int, domain: int, model: ModelConfig) -> None:
@@ -301,48 +206,19 @@ def _check_model_fit(tp: int, domain: int, model: ModelConfig) -> None:
         raise ValueError(f"--domain {domain}: more latitude bands than the grid's {model.lat} rows")
 
 
-def _check_cuda(nproc_per_node: int) -> None:
+def _check_cuda(ranks: int) -> None:
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count < nproc_per_node:
+    if count < ranks:
         raise ValueError(
-            f"--backend nccl needs one CUDA GPU per rank: {nproc_per_node} ranks on this node, "
+            f"--backend nccl needs one CUDA GPU per rank: {ranks} ranks on this machine, "
             f"{count} GPUs"
         )
 
 
-def _launch_sizes(args: argparse.Namespace) -> tuple[int, int]:
-    """``(dp, nproc_per_node)`` for a launch of ``args.nnodes`` nodes."""
-    per_dp = args.tp * args.domain
-    layout = f"tp * domain = {args.tp} * {args.domain}"
-    if args.nproc_per_node is None:
-        dp = args.dp if args.dp is not None else DEFAULT_DP
-        world = dp * per_dp
-        if world % args.nnodes:
-            raise ValueError(
-                f"the world of dp * tp * domain = {dp} * {args.tp} * {args.domain} = {world} "
-                f"ranks does not split evenly over --nnodes {args.nnodes}"
-            )
-        return dp, world // args.nnodes
-    world = args.nnodes * args.nproc_per_node
-    if args.dp is None:
-        if world % per_dp:
-            raise ValueError(
-                f"{layout} = {per_dp} does not divide the world of --nnodes * --nproc-per-node "
-                f"= {world} ranks"
-            )
-        return world // per_dp, args.nproc_per_node
-    if args.dp * per_dp != world:
-        raise ValueError(
-            f"dp * tp * domain = {args.dp} * {args.tp} * {args.domain} = {args.dp * per_dp} "
-            f"does not equal the world of --nnodes * --nproc-per-node = {world} ranks"
-        )
-    return args.dp, args.nproc_per_node
-
-
-def _in_place_sizes(args: argparse.Namespace) -> tuple[int, int]:
-    """``(dp, nproc_per_node)`` under torchrun, from its environment."""
+def _in_place_dp(args: argparse.Namespace) -> int:
+    """``dp`` under torchrun, from its world size."""
     world = int(os.environ["WORLD_SIZE"])
     per_dp = args.tp * args.domain
     dp = args.dp if args.dp is not None else world // per_dp
@@ -351,13 +227,4 @@ def _in_place_sizes(args: argparse.Namespace) -> tuple[int, int]:
             f"dp * tp * domain = {dp} * {args.tp} * {args.domain} = {dp * per_dp} does not "
             f"equal torchrun's world size {world}"
         )
-    return dp, int(os.environ.get("LOCAL_WORLD_SIZE", world))
-
-
-def _check_nodes(args: argparse.Namespace, port: int) -> None:
-    if args.node_rank >= args.nnodes:
-        raise ValueError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
-    if args.nnodes > 1 and port == 0:
-        raise ValueError(
-            "--nnodes > 1 needs the rendezvous port every node joins: --rdzv-endpoint HOST:PORT"
-        )
+    return dp

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from credit.parallel._store import host_store
+from credit.parallel._launch import init_process_group
 from credit.parallel.collectives import all_reduce_avg, clip_grad_norm_
 from credit.parallel.demo import _report
 from credit.parallel.demo._cli import Options
@@ -57,18 +57,16 @@ EXIT_PASS, EXIT_DEPARTS, EXIT_ERROR, EXIT_PEER_FAILED = 0, 1, 3, 4
 _PEER_GONE = ("closed by peer", "reset by peer", "remote worker crashing")
 
 
-def run_worker(options: Options, own_store: bool) -> int:
+def run_worker(options: Options) -> int:
     """Entry point of one rank: train, compare with the replica, return this rank's exit status.
 
     A rank that raises prints its traceback; its peers then fail in their next collective and
-    stop quietly. Under the demo's own launcher (``own_store``) a failing rank ends its process
-    at once, which closes its connections (a rank that returned would be kept alive by the
-    launcher until every rank returns) and leaves the reporting to the launcher.
+    stop quietly. Under the demo's own launcher a failing rank ends its process at once, which
+    closes its connections (a rank that returned would be kept alive by the launcher until
+    every rank returns) and leaves the reporting to the launcher.
 
     Args:
         options: the checked command-line options.
-        own_store: launched by the demo: host the ranks' store on rank 0, on a socket bound to
-            ``MASTER_ADDR``. Otherwise (torchrun) initialise from the environment.
 
     Returns:
         ``EXIT_PASS`` (0) when the run matches the replica, ``EXIT_DEPARTS`` (1) when it does not
@@ -79,14 +77,14 @@ def run_worker(options: Options, own_store: bool) -> int:
     started = time.perf_counter()
     try:
         device = _device(options)
-        _init_process_group(options.backend, own_store)
+        init_process_group(options.backend, PROCESS_GROUP_TIMEOUT)
         mesh = build_device_mesh(options.dp, options.tp, options.domain, device_type=device.type)
         passed = _train_and_compare(options, mesh, device, started)
     except Exception as exc:
         code = EXIT_PEER_FAILED if _peer_gone(exc) else EXIT_ERROR
         if code == EXIT_ERROR:
             logger.error("rank %s failed:\n%s", os.environ.get("RANK", "?"), traceback.format_exc())
-        if own_store:
+        if not options.in_place:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
@@ -121,22 +119,6 @@ def _device(options: Options) -> torch.device:
         return torch.device("cuda", local_rank)
     torch.set_num_threads(1)
     return torch.device("cpu")
-
-
-def _init_process_group(backend: str, own_store: bool) -> None:
-    if not own_store:
-        dist.init_process_group(backend, timeout=PROCESS_GROUP_TIMEOUT)
-        return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store: dist.Store
-    if rank == 0:
-        store = host_store(world, host, port, timeout=PROCESS_GROUP_TIMEOUT)
-    else:
-        store = dist.TCPStore(host, port, world, is_master=False, timeout=PROCESS_GROUP_TIMEOUT)
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT
-    )
 
 
 def _train_and_compare(

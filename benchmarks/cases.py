@@ -1,0 +1,258 @@
+"""Every case of the benchmark, declared once.
+
+A :class:`Case` names the workload it builds (``workloads``), the variants it times side by side,
+the ratios of their medians it reports (with the goal, in words, where there is one) and the
+collectives per call it expects. Each variant is declared once below, as a :class:`Way`, and
+shared by every case that times it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import baselines
+import torch.distributed as dist
+import workloads
+from workloads import Context, Workload
+
+from credit.parallel.collectives import (
+    all_reduce_avg,
+    allreduce_grads_avg,
+    clip_grad_norm_,
+    total_grad_norm,
+)
+
+
+@dataclass(frozen=True)
+class Way:
+    """A variant: ``make(workload)`` returns the call to time."""
+
+    key: str
+    label: str
+    make: Callable[[Workload], Callable[[], object]]
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """median(ours) / median(baseline); at most ``at_most`` where that is the goal.
+
+    ``goal`` says the goal in words (default ``"<= {at_most}x"``); ``paired`` takes instead the
+    median of each repetition's own ratio, which drifting load moves less.
+    """
+
+    ours: Way
+    baseline: Way
+    at_most: float | None = None
+    goal: str | None = None
+    paired: bool = False
+
+
+@dataclass(frozen=True)
+class Count:
+    """Collectives per call of ``way``: ``expected``, or one per bucket by the bucketing rule."""
+
+    way: Way
+    expected: int | None = 1
+    per_bucket: bool = False
+
+
+@dataclass(frozen=True)
+class Case:
+    """One comparison: a workload, the ways timed on it, and what is derived from the timings.
+
+    ``family`` groups cases that differ only in size (selected and reported together; default:
+    the key);
+    ``memory`` adds each variant's peak extra memory and the memory it keeps between calls;
+    ``even_world`` skips the case on an odd number of ranks.
+    """
+
+    key: str
+    name: str
+    build: Callable[[Context], Workload]
+    ways: tuple[Way, ...]
+    ratios: tuple[Ratio, ...] = ()
+    counts: tuple[Count, ...] = ()
+    memory: bool = False
+    even_world: bool = False
+    family: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.family:
+            object.__setattr__(self, "family", self.key)
+
+
+def _average(tensors: Callable[[Workload], list]) -> Callable[[Workload], Callable[[], object]]:
+    return lambda w: functools.partial(
+        allreduce_grads_avg, tensors(w), w.group, bucket_cap_mb=w.bucket_cap_mb
+    )
+
+
+OURS_AVG = Way("ours", "ours (allreduce_grads_avg)", _average(lambda w: w.grads))
+OURS_ZERO_COPY = Way(
+    "ours_zero_copy", "ours, grads laid out by contiguous_grads_", _average(lambda w: w.tiled)
+)
+FLAT_FLOOR = Way(
+    "flat_floor",
+    "one all_reduce of a pre-flattened buffer (floor)",
+    lambda w: functools.partial(all_reduce_avg, w.flat, w.group),
+)
+FLAT_SUM = Way(
+    "flat_sum",
+    "that all_reduce as a SUM, without the division",
+    lambda w: functools.partial(dist.all_reduce, w.flat, group=w.group),
+)
+FRESH_BUFFER = Way(
+    "fresh_flat_buffer",
+    "fresh flat buffer per call",
+    lambda w: functools.partial(baselines.fresh_flat_buffer, w.grads, w.group),
+)
+COALESCED = Way(
+    "all_reduce_coalesced",
+    "torch.distributed.all_reduce_coalesced",
+    lambda w: functools.partial(baselines.all_reduce_coalesced, w.grads, w.group),
+)
+LOOP = Way(
+    "per_parameter_loop",
+    "per-parameter loop",
+    lambda w: functools.partial(baselines.per_parameter_loop, w.grads, w.group),
+)
+PER_SHARD = Way(
+    "per_shard_async",
+    "per-shard async all_reduces",
+    lambda w: functools.partial(baselines.per_shard_async, w.grads, w.group),
+)
+OURS_CLIP = Way(
+    "ours_clip",
+    "ours (clip_grad_norm_)",
+    lambda w: functools.partial(clip_grad_norm_, w.params, w.max_norm),
+)
+TORCH_CLIP = Way(
+    "torch_clip",
+    "torch.nn.utils.clip_grad_norm_",
+    lambda w: functools.partial(baselines.torch_clip, w.params, w.max_norm),
+)
+CLIP_PER_GROUP = Way(
+    "clip_per_mesh_group",
+    "one clip per mesh group",
+    lambda w: functools.partial(baselines.clip_per_mesh_group, w.params, w.max_norm),
+)
+KERNELS = Way(
+    "kernels_floor",
+    "the kernels alone (floor)",
+    lambda w: baselines.clip_kernels(w.grads, w.max_norm),
+)
+OURS_NORM = Way(
+    "ours_norm", "ours (total_grad_norm)", lambda w: functools.partial(total_grad_norm, w.grads)
+)
+TORCH_NORM = Way(
+    "torch_norm",
+    "torch.nn.utils.get_total_norm + full_tensor()",
+    lambda w: functools.partial(baselines.torch_norm, w.grads),
+)
+NORM_PER_GROUP = Way(
+    "norm_per_mesh_group",
+    "one norm per mesh group",
+    lambda w: functools.partial(baselines.norm_per_mesh_group, w.grads),
+)
+FIRST_CALL = Way(
+    "first_call",
+    "ours (total_grad_norm), first call for a layout",
+    lambda w: lambda: total_grad_norm(next(w.fresh)),
+)
+LATER_CALL = Way(
+    "later_call",
+    "ours (total_grad_norm), a later call",
+    lambda w: functools.partial(total_grad_norm, w.grads),
+)
+
+SCALING_SIZES = (500, 2000, 8000)
+
+CASES: tuple[Case, ...] = (
+    Case(
+        "dense",
+        "dense averaging",
+        workloads.dense,
+        (OURS_AVG, OURS_ZERO_COPY, FLAT_FLOOR, FLAT_SUM, FRESH_BUFFER, COALESCED, LOOP),
+        ratios=(
+            Ratio(OURS_AVG, FLAT_FLOOR, 1.15),
+            Ratio(OURS_ZERO_COPY, FLAT_FLOOR, 1.15),
+            Ratio(OURS_AVG, FLAT_FLOOR, paired=True),
+            Ratio(OURS_AVG, FLAT_SUM),
+            Ratio(OURS_AVG, FRESH_BUFFER),
+            Ratio(OURS_AVG, COALESCED),
+            Ratio(OURS_AVG, LOOP),
+        ),
+        counts=(Count(OURS_AVG, per_bucket=True), Count(OURS_ZERO_COPY, 1)),
+        memory=True,
+    ),
+    Case(
+        "tiny",
+        "many tiny grads",
+        workloads.tiny,
+        (OURS_AVG, LOOP, FRESH_BUFFER, FLAT_FLOOR),
+        ratios=(
+            Ratio(OURS_AVG, LOOP, 1 / 20, goal="at least 20x faster"),
+            Ratio(OURS_AVG, FRESH_BUFFER),
+            Ratio(OURS_AVG, FLAT_FLOOR),
+        ),
+        counts=(Count(OURS_AVG, per_bucket=True),),
+    ),
+    Case(
+        "dtensor",
+        "DTensor averaging",
+        workloads.dtensor,
+        (OURS_AVG, PER_SHARD, LOOP, FLAT_FLOOR),
+        ratios=(Ratio(OURS_AVG, PER_SHARD, 0.3), Ratio(OURS_AVG, FLAT_FLOOR)),
+        counts=(Count(OURS_AVG, per_bucket=True),),
+        even_world=True,
+    ),
+    Case(
+        "clip",
+        "clip on one mesh",
+        workloads.clip,
+        (OURS_CLIP, TORCH_CLIP, CLIP_PER_GROUP, KERNELS, OURS_NORM, TORCH_NORM),
+        ratios=(
+            Ratio(OURS_CLIP, TORCH_CLIP, 0.3),
+            Ratio(KERNELS, TORCH_CLIP),
+            Ratio(OURS_CLIP, KERNELS),
+            Ratio(OURS_CLIP, CLIP_PER_GROUP),
+            Ratio(OURS_NORM, TORCH_NORM),
+        ),
+        counts=(Count(OURS_CLIP, 1),),
+    ),
+    Case(
+        "mixed",
+        "clip on FSDP2 + TP",
+        workloads.mixed,
+        (OURS_CLIP, CLIP_PER_GROUP, OURS_NORM, NORM_PER_GROUP),
+        ratios=(Ratio(OURS_CLIP, CLIP_PER_GROUP), Ratio(OURS_NORM, NORM_PER_GROUP)),
+        counts=(Count(OURS_NORM, 1), Count(OURS_CLIP, 1), Count(NORM_PER_GROUP, None)),
+        even_world=True,
+    ),
+    *(
+        Case(
+            f"scaling-{size}",
+            "clip scaling",
+            functools.partial(workloads.scaling, count=size),
+            (OURS_CLIP, TORCH_CLIP, KERNELS),
+            ratios=(
+                Ratio(OURS_CLIP, KERNELS, 1.5 if size == max(SCALING_SIZES) else None),
+                Ratio(OURS_CLIP, TORCH_CLIP),
+            ),
+            counts=(Count(OURS_CLIP, 1),),
+            family="scaling",
+        )
+        for size in SCALING_SIZES
+    ),
+    Case(
+        "setup",
+        "norm setup cost",
+        workloads.setup,
+        (FIRST_CALL, LATER_CALL),
+        ratios=(Ratio(FIRST_CALL, LATER_CALL),),
+        counts=(Count(FIRST_CALL, 2), Count(LATER_CALL, 1)),
+        even_world=True,
+    ),
+)

@@ -1,0 +1,273 @@
+"""The gradients each case works on, built the same way on every rank, from fixed seeds.
+
+The FSDP2 and FSDP2 + TP models are the test suite's layouts (``tests/layouts.py``), built larger
+through its size arguments; the layouts of the setup-cost case are the simulated-scale tests'
+(``tests/fake_world.py``), here on real ranks. The other gradient sets are lists of given shapes;
+their values differ between ranks (the seed includes the rank), so averages combine different
+numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import checks
+import layouts
+import torch
+import torch.distributed as dist
+from fake_world import mixed_grads
+from report import Row
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor, Shard
+
+from credit.parallel._compat import local_tensor
+from credit.parallel.collectives import contiguous_grads_, total_grad_norm
+
+# The layouts' model for the FSDP2 cases: 40 blocks of 10 grads, plus 4 outside them.
+MODEL = {"blocks": 40, "dim": 64, "hidden": 128}
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where the cases run, and for how long."""
+
+    device: torch.device
+    warmup: int
+    reps: int
+    bucket_cap_mb: float
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def calls(self) -> int:
+        """How many times a case calls each variant: warm-up, repetitions, one count."""
+        return self.warmup + self.reps + 1
+
+
+@dataclass
+class Workload:
+    """What the variants of a case work on.
+
+    Attributes:
+        title: the case as the report heads it.
+        grads: the gradients (plain or DTensor).
+        params: the parameters holding them, for the clips.
+        group: the group averaged over (None: every rank).
+        bucket_cap_mb: the bucket cap under test.
+        buckets: the collectives one call of ours should issue.
+        max_norm: the clips' threshold, half the gradients' norm.
+        flat: one buffer of the grads' total size, for the floors.
+        tiled: the same grads laid out by ``contiguous_grads_``.
+        fresh: gradient sets of layouts not yet seen, one per call.
+        per_gradient: report the time per gradient too.
+        first_calls: nothing ran on the gradients yet: each variant's first call is its first
+            for this layout.
+        rows: checks made while building.
+        notes: what the report should say about the case.
+    """
+
+    title: str
+    grads: list[Tensor]
+    params: list[Tensor] = field(default_factory=list)
+    group: ProcessGroup | None = None
+    bucket_cap_mb: float = 25.0
+    buckets: int = 1
+    max_norm: float = 1.0
+    flat: Tensor | None = None
+    tiled: list[Tensor] = field(default_factory=list)
+    fresh: Iterator[list[Tensor]] = field(default_factory=lambda: iter(()))
+    per_gradient: bool = False
+    first_calls: bool = False
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _params_with_grads(shapes: list[tuple[int, ...]], ctx: Context, seed: int) -> list[Tensor]:
+    """One parameter per shape, each with a random gradient (different on every rank)."""
+    generator = torch.Generator().manual_seed(seed * 7919 + dist.get_rank())
+    params = []
+    for shape in shapes:
+        param = nn.Parameter(torch.empty(shape, device=ctx.device))
+        param.grad = torch.randn(shape, generator=generator).to(ctx.device)
+        params.append(param)
+    return params
+
+
+def _grads(params: list[Tensor]) -> list[Tensor]:
+    return [param.grad for param in params if param.grad is not None]
+
+
+def _transformer_shapes(
+    dim: int = 256, layers: int = 24, vocab: int = 8192
+) -> list[tuple[int, ...]]:
+    """Parameter shapes of a small transformer: 291 tensors, 80.3 MiB of fp32 at the defaults."""
+    shapes: list[tuple[int, ...]] = [(vocab, dim)]
+    for _ in range(layers):
+        shapes += [(dim,), (dim,), (3 * dim, dim), (3 * dim,), (dim, dim), (dim,)]
+        shapes += [(dim,), (dim,), (4 * dim, dim), (4 * dim,), (dim, 4 * dim), (dim,)]
+    return [*shapes, (dim,), (dim,)]
+
+
+def expected_buckets(tensors: list[Tensor], cap_mb: float) -> int:
+    """Collectives ``allreduce_grads_avg`` should issue for ``tensors`` (all on one device).
+
+    The documented rule, per dtype: a contiguous tensor of at least ``cap`` elements is reduced
+    alone; the other non-empty tensors fill buckets in order, a bucket closing when the next
+    tensor would take it past ``cap`` elements (``cap = cap_bytes // itemsize``).
+    """
+    count = 0
+    for dtype in dict.fromkeys(tensor.dtype for tensor in tensors):
+        cap = max(1, int(cap_mb * 2**20) // dtype.itemsize)
+        filled = 0
+        for tensor in (t for t in tensors if t.dtype == dtype):
+            numel = tensor.numel()
+            if numel >= cap and tensor.is_contiguous():
+                count += 1
+            elif numel > 0:
+                if filled == 0 or filled + numel > cap:
+                    count += 1
+                    filled = 0
+                filled += numel
+    return count
+
+
+def dense(ctx: Context) -> Workload:
+    """A transformer's dense fp32 grads, 80 MiB in 291 tensors, averaged over every rank."""
+    shapes = _transformer_shapes()
+    grads = _grads(_params_with_grads(shapes, ctx, seed=1))
+    tiled = _params_with_grads(shapes, ctx, seed=1)
+    contiguous_grads_(tiled)
+    numel = sum(grad.numel() for grad in grads)
+    return Workload(
+        f"dense averaging: {len(grads)} fp32 grads, {4 * numel / 2**20:.1f} MiB, "
+        f"{ctx.bucket_cap_mb:g} MiB buckets",
+        grads,
+        bucket_cap_mb=ctx.bucket_cap_mb,
+        buckets=expected_buckets(grads, ctx.bucket_cap_mb),
+        flat=torch.randn(numel, generator=torch.Generator().manual_seed(2)).to(ctx.device),
+        tiled=_grads(tiled),
+    )
+
+
+def tiny(ctx: Context) -> Workload:
+    """1000 grads of 64 floats, averaged over every rank."""
+    grads = _grads(_params_with_grads([(64,)] * 1000, ctx, seed=3))
+    return Workload(
+        "many tiny grads: 1000 x 64 fp32",
+        grads,
+        bucket_cap_mb=ctx.bucket_cap_mb,
+        flat=torch.zeros(64 * 1000, device=ctx.device),
+    )
+
+
+def dtensor(ctx: Context) -> Workload:
+    """FSDP2 grads averaged over the domain group, as ``sync_domain_gradients`` does."""
+    # Dim names of its own: torch may hand a DTensor an equal 1D mesh sliced from another root
+    # (same ranks, same name), and these grads must not meet the other cases' meshes.
+    mesh = layouts.mesh((ctx.world // 2, 2), ("fsdp", "domain"), ctx.device.type)
+    model = layouts.build("fsdp", 4, **MODEL, device=ctx.device.type, dp_mesh=mesh["fsdp"]).model
+    grads = layouts.grads(model)
+    local = [local_tensor(grad) for grad in grads]
+    numel = sum(shard.numel() for shard in local)
+    return Workload(
+        f"DTensor averaging: {len(grads)} FSDP2 grads (dp={ctx.world // 2}) over the domain "
+        f"group (2 ranks), {4 * numel / 2**20:.1f} MiB",
+        grads,
+        group=mesh.get_group("domain"),
+        bucket_cap_mb=ctx.bucket_cap_mb,
+        buckets=expected_buckets(local, ctx.bucket_cap_mb),
+        flat=torch.zeros(numel, device=ctx.device),
+    )
+
+
+def _with_grads(model: nn.Module) -> list[Tensor]:
+    return [param for param in model.parameters() if param.grad is not None]
+
+
+def clip(ctx: Context) -> Workload:
+    """An FSDP2 model over every rank: every grad on one 1D mesh; torch's clip works."""
+    params = _with_grads(layouts.build("fsdp", 5, **MODEL, device=ctx.device.type).model)
+    grads = _grads(params)
+    max_norm = 0.5 * float(total_grad_norm(grads))
+    return Workload(
+        f"clip on one mesh: {len(params)} FSDP2 grads (dp={ctx.world})",
+        grads,
+        params,
+        max_norm=max_norm,
+        rows=[checks.same_bits_as_torch(params, max_norm)],
+        notes=[
+            "the kernels alone run what a clip with torch's bits must: the per-gradient foreach "
+            "norm, the stacked powers in one all_reduce, the total and the foreach multiply, on "
+            "local shards listed in advance; ours cannot beat torch by more than they allow"
+        ],
+    )
+
+
+def mixed(ctx: Context) -> Workload:
+    """FSDP2 + TP: grads on a 1D and a 2D mesh, where torch's clip raises."""
+    params = _with_grads(layouts.build("fsdp_tp", 6, **MODEL, device=ctx.device.type).model)
+    grads = _grads(params)
+    max_norm = 0.5 * float(total_grad_norm(grads))
+    return Workload(
+        f"clip on FSDP2 (dp={ctx.world // 2}) + TP (tp=2): {len(params)} grads on a 1D and a "
+        "2D mesh",
+        grads,
+        params,
+        max_norm=max_norm,
+        rows=[checks.ulps_from_norm_per_mesh_group(grads)],
+        notes=[checks.torch_clip_fails(params, max_norm)],
+    )
+
+
+def scaling(ctx: Context, count: int) -> Workload:
+    """``count`` small Shard(0) DTensor grads on one 1D mesh over every rank, to clip."""
+    mesh = layouts.mesh((ctx.world,), ("dp",), ctx.device.type)
+    generator = torch.Generator().manual_seed(7 * 7919 + dist.get_rank())
+    params = []
+    for _ in range(count):
+        local = torch.randn(4, 64, generator=generator).to(ctx.device)
+        grad = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+        param = nn.Parameter(torch.empty_like(grad))
+        param.grad = grad
+        params.append(param)
+    grads = _grads(params)
+    return Workload(
+        f"clip scaling: {count} Shard(0) DTensor grads, (4, 64) on each rank, on one 1D mesh "
+        f"over every rank",
+        grads,
+        params,
+        max_norm=0.5 * _norm_of_shards(grads),
+        per_gradient=True,
+        first_calls=True,
+        notes=[
+            "first call: each variant's first call on these gradients; torch's includes "
+            "DTensor's sharding propagation for its foreach ops over the whole list, cached after"
+        ],
+    )
+
+
+def _norm_of_shards(grads: list[Tensor]) -> float:
+    """The norm of gradients sharded over every rank without copies, with plain torch calls."""
+    powers = torch.stack(torch._foreach_norm([local_tensor(grad) for grad in grads])) ** 2
+    dist.all_reduce(powers)
+    return float(powers.sum().sqrt())
+
+
+def setup(ctx: Context) -> Workload:
+    """The norm on a layout seen for the first time, and on one seen before.
+
+    The layouts are the simulated-scale tests' (FSDP2 + TP grads on a 1D and a 2D mesh, plain
+    grads beside them); each first call gets a set of new shapes.
+    """
+    mesh = layouts.mesh((ctx.world // 2, 2), ("dp", "tp"), ctx.device.type)
+    sets = [mixed_grads(mesh, blocks=80, width=16 + index) for index in range(ctx.calls + 1)]
+    return Workload(
+        f"norm setup: first call for a layout vs a later call, {len(sets[0])} grads on a 1D and "
+        f"a 2D mesh (dp={ctx.world // 2}, tp=2)",
+        sets[0],
+        fresh=iter(sets[1:]),
+    )
