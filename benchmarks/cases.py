@@ -39,7 +39,8 @@ class Ratio:
     """median(ours) / median(baseline); at most ``at_most`` where that is the goal.
 
     ``goal`` says the goal in words (default ``"<= {at_most}x"``); ``paired`` takes instead the
-    median of each repetition's own ratio, which drifting load moves less.
+    median of each repetition's own ratio, which drifting load moves less; ``less`` takes the
+    median of that variant (a part both others run, such as a forward) off both medians first.
     """
 
     ours: Way
@@ -47,6 +48,7 @@ class Ratio:
     at_most: float | None = None
     goal: str | None = None
     paired: bool = False
+    less: Way | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,18 @@ LATER_CALL = Way(
     lambda w: functools.partial(total_grad_norm, w.grads),
 )
 
+EXPLICIT_STEP = Way(
+    "explicit_step",
+    "backward, then sync_domain_gradients (explicit)",
+    lambda w: w.steps["explicit"],
+)
+IN_BACKWARD_STEP = Way(
+    "in_backward_step",
+    "backward with sync_domain_gradients_in_backward (ours)",
+    lambda w: w.steps["in_backward"],
+)
+FORWARD_ALONE = Way("forward_alone", "the forward alone", lambda w: w.steps["forward"])
+
 SCALING_SIZES = (500, 2000, 8000)
 
 CASES: tuple[Case, ...] = (
@@ -245,6 +259,18 @@ CASES: tuple[Case, ...] = (
             family="scaling",
         )
         for size in SCALING_SIZES
+    ),
+    Case(
+        "in-backward",
+        "domain average inside backward",
+        workloads.in_backward,
+        (IN_BACKWARD_STEP, EXPLICIT_STEP, FORWARD_ALONE),
+        ratios=(
+            Ratio(IN_BACKWARD_STEP, EXPLICIT_STEP),
+            Ratio(IN_BACKWARD_STEP, EXPLICIT_STEP, less=FORWARD_ALONE),
+            Ratio(IN_BACKWARD_STEP, EXPLICIT_STEP, paired=True),
+        ),
+        even_world=True,
     ),
     Case(
         "setup",

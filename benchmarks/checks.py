@@ -9,7 +9,7 @@ import torch.distributed as dist
 from baselines import norm_per_mesh_group, torch_clip
 from layouts import ulp_distance
 from report import Row
-from torch import Tensor
+from torch import Tensor, nn
 
 from credit.parallel._compat import local_tensor
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
@@ -69,3 +69,14 @@ def ulps_from_norm_per_mesh_group(grads: Sequence[Tensor]) -> Row:
     return Row(
         "norm: ULPs between ours and one norm per mesh group", ulps, "count", "<= 8", ulps <= 8
     )
+
+
+def same_grads(ours: nn.Module, theirs: nn.Module) -> Row:
+    """Whether two models hold the same gradient bits (local shards), on every rank."""
+    mine = _local_copies(list(ours.parameters()))
+    same = _same_bits(mine, _local_copies(list(theirs.parameters())))
+    flag = torch.tensor([int(same)], device=mine[0].device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    holds = bool(flag.item())
+    label = "same gradient bits as the explicit sync (every rank)"
+    return Row(label, "yes" if holds else "no", "check", "same bits", holds)

@@ -122,6 +122,10 @@ def _ratio_row(ratio: Ratio, timed: dict[str, Timed]) -> Row:
         pairs = zip(ours.times_ms, baseline.times_ms, strict=True)
         value = statistics.median(a / b for a, b in pairs)
         label = f"{label}, median of per-repetition ratios"
+    elif ratio.less is not None:
+        less = timed[ratio.less.key]
+        value = (ours.median_ms - less.median_ms) / (baseline.median_ms - less.median_ms)
+        label = f"{label}, less {less.label}"
     else:
         value = ours.median_ms / baseline.median_ms
     if ratio.at_most is None:

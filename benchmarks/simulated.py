@@ -22,6 +22,11 @@ CALLS = (
     ("total_grad_norm, unflattened world", "total_grad_norm, meshes unflattened from 1-D", 1),
     ("clip_grad_norm_", "clip_grad_norm_", 1),
     ("total_grad_norm with pp_group", "total_grad_norm with pp_group (2 stages)", 1),
+    (
+        "allreduce_grads_avg, first call for a layout",
+        "allreduce_grads_avg over tp, 1000-byte buckets, first call for a layout",
+        EXPECTED_BUCKETS + 1,
+    ),
     ("allreduce_grads_avg", "allreduce_grads_avg over tp, 1000-byte buckets", EXPECTED_BUCKETS),
 )
 

@@ -9,7 +9,8 @@ numbers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import checks
@@ -20,10 +21,14 @@ from fake_world import mixed_grads
 from report import Row
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.debug import CommDebugMode
 
 from credit.parallel._compat import local_tensor
 from credit.parallel.collectives import contiguous_grads_, total_grad_norm
+from credit.parallel.grad_sync import sync_domain_gradients, sync_domain_gradients_in_backward
 
 # The layouts' model for the FSDP2 cases: 40 blocks of 10 grads, plus 4 outside them.
 MODEL = {"blocks": 40, "dim": 64, "hidden": 128}
@@ -66,6 +71,7 @@ class Workload:
         per_gradient: report the time per gradient too.
         first_calls: nothing ran on the gradients yet: each variant's first call is its first
             for this layout.
+        steps: training steps to time, by name, for the cases that train.
         rows: checks made while building.
         notes: what the report should say about the case.
     """
@@ -82,6 +88,7 @@ class Workload:
     fresh: Iterator[list[Tensor]] = field(default_factory=lambda: iter(()))
     per_gradient: bool = False
     first_calls: bool = False
+    steps: dict[str, Callable[[], object]] = field(default_factory=dict)
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -271,3 +278,93 @@ def setup(ctx: Context) -> Workload:
         sets[0],
         fresh=iter(sets[1:]),
     )
+
+
+# The in-backward case: 16 blocks, each an FSDP2 unit, and the root: 17 units.
+DEEP_MODEL = {"blocks": 16, "dim": 128, "hidden": 512}
+DEEP_BATCH = 128
+
+
+def in_backward(ctx: Context) -> Workload:
+    """The domain average after backward (explicit) and inside it, on a 17-unit FSDP2 model.
+
+    Two copies of the model over a (dp = world / 2, domain = 2) mesh; each domain rank trains on
+    its own batch. The steps time zero_grad, forward, backward and, for the explicit copy, the
+    sync; the forward alone is timed too, to be taken off both.
+    """
+    # FSDP2 warns on each step that the 1-column head's output is a view, and autograd that the
+    # input needs no gradient; neither concerns a loss that is only backpropagated.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    mesh = layouts.mesh((ctx.world // 2, 2), ("shard", "band"), ctx.device.type)
+    explicit, ours = (_deep_fsdp(mesh["shard"], ctx) for _ in range(2))
+    sync_domain_gradients_in_backward(ours, mesh["band"])
+    generator = torch.Generator().manual_seed(11 + dist.get_rank())
+    x = torch.randn(DEEP_BATCH, layouts.IN_DIM, generator=generator).to(ctx.device)
+
+    def explicit_step() -> None:
+        _backward(explicit, x)
+        sync_domain_gradients(explicit, mesh["band"])
+
+    rows = _in_backward_rows(explicit, ours, x, mesh["band"])
+    units = 1 + int(DEEP_MODEL["blocks"])
+    return Workload(
+        f"domain average after vs inside backward: FSDP2, {units} units, "
+        f"{sum(p.numel() for p in explicit.parameters()):,} parameters on dp={ctx.world // 2}, "
+        f"over the domain group (2 ranks), batch {DEEP_BATCH}",
+        layouts.grads(ours),
+        steps={
+            "explicit": explicit_step,
+            "in_backward": lambda: _backward(ours, x),
+            "forward": lambda: _forward(explicit, x),
+        },
+        rows=rows,
+        notes=[
+            "times are of zero_grad + forward + backward (+ the explicit sync); the ratio less "
+            "the forward takes the forward's median off both. On CPU FSDP2 reduces and runs "
+            "its all-reduce hook on the calling thread, so each unit's domain all_reduce waits "
+            "in backward instead of after it: the collectives move, the time cannot hide"
+        ],
+    )
+
+
+def _deep_fsdp(dp_mesh: DeviceMesh, ctx: Context) -> nn.Module:
+    torch.manual_seed(5)
+    model = layouts.TinyNet(**DEEP_MODEL).to(ctx.device)
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _forward(model: nn.Module, x: Tensor) -> Tensor:
+    return model(x).pow(2).mean()
+
+
+def _backward(model: nn.Module, x: Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    _forward(model, x).backward()
+
+
+def _in_backward_rows(
+    explicit: nn.Module, ours: nn.Module, x: Tensor, domain: DeviceMesh
+) -> list[Row]:
+    """Collectives in and after a step of each (the second: the first call for a layout may
+    check it), and whether their grads have the same bits."""
+    counts = {}
+    for name, model, after in (
+        ("ours", ours, lambda: None),
+        ("explicit", explicit, lambda: sync_domain_gradients(explicit, domain)),
+    ):
+        for _ in range(2):
+            with CommDebugMode() as during:
+                _backward(model, x)
+            with CommDebugMode() as later:
+                after()
+        counts[name] = (during.get_total_counts(), later.get_total_counts())
+    label = "collectives {} backward (ours / explicit)"
+    return [
+        Row(label.format("after"), f"{counts['ours'][1]} / {counts['explicit'][1]}", "count"),
+        Row(label.format("in"), f"{counts['ours'][0]} / {counts['explicit'][0]}", "count"),
+        checks.same_grads(ours, explicit),
+    ]

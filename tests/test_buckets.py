@@ -182,18 +182,25 @@ CAP_TO_COLLECTIVES = {
 }
 
 
-def _collectives_for_cap(cap_bytes: int) -> tuple[int, bool]:
+def _collectives_for_cap(cap_bytes: int) -> tuple[int, int, bool]:
     tensors = _cap_test_tensors()
+
+    def call() -> None:
+        allreduce_grads_avg(tensors, None, bucket_cap_mb=cap_bytes / MiB)
+
+    first = _count(call)
     _fill(tensors)
     expected = _expected(tensors, [0, 1])
-    count = _count(lambda: allreduce_grads_avg(tensors, None, bucket_cap_mb=cap_bytes / MiB))
+    count = _count(call)
     exact = all(_same_bits(t, e) for t, e in zip(tensors, expected, strict=True))
-    return count, exact
+    return first, count, exact
 
 
 @pytest.mark.parametrize("cap_bytes", sorted(CAP_TO_COLLECTIVES))
 def test_one_collective_per_bucket(ranks, cap_bytes):
-    for count, exact in ranks.run(2, _collectives_for_cap, cap_bytes):
+    for first, count, exact in ranks.run(2, _collectives_for_cap, cap_bytes):
+        # The first call for a layout verifies it across the group in one small all_reduce more.
+        assert first == CAP_TO_COLLECTIVES[cap_bytes] + 1
         assert count == CAP_TO_COLLECTIVES[cap_bytes]
         assert exact
 
@@ -270,6 +277,7 @@ def _zero_copy() -> dict[str, object]:
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
     (buffer,) = contiguous_grads_(params)
     grads = [p.grad for p in params]
+    allreduce_grads_avg(grads, None)  # the first call for a layout also verifies it
     _fill(grads)
     expected = _expected(grads, [0, 1])
     pointer = buffer.data_ptr()

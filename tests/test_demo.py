@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pytest
 
 from credit.parallel.demo import DEFAULT_RTOL, main
+from credit.parallel.demo._cli import DEFAULT_DOMAIN_SYNC
 
 # The demo's tolerance, 1e-4 relative: about 840 float32 ULPs at any magnitude (one ULP is at
 # most 2**-23 ~ 1.19e-7 relative). The sharded run rounds differently from the replica (TP splits
@@ -29,6 +30,9 @@ RTOL = 1e-4
 # is off by at most 1e-7 from the one computed on the full values.
 PRINT_SLACK = 1e-7
 LAUNCH_TIMEOUT_S = 240
+DOMAIN_AVERAGE_WHEN = {"in-backward": "inside backward", "explicit": "after backward"}[
+    DEFAULT_DOMAIN_SYNC
+]
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 ROW = re.compile(r"^\s*(\d+)" + r"\s+(\S+)" * 6 + r"\s*$")
 VERDICT_FIGURES = re.compile(
@@ -138,6 +142,7 @@ def test_dp2_tp2_domain2_on_eight_ranks_matches_the_replica() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "launching 8 ranks (dp=2 x tp=2 x domain=2" in result.stdout
     assert "each domain rank's loss on its own band of 8 latitude rows" in result.stdout
+    assert f"domain average {DOMAIN_AVERAGE_WHEN}" in result.stdout
     _check_parity(result.stdout, steps=2)
     _check_clean_output(result, world=8)
 
@@ -169,15 +174,20 @@ def test_under_torchrun_the_demo_runs_in_place() -> None:
     _check_parity(result.stdout, steps=2)
 
 
-def test_the_check_catches_a_missing_domain_sync() -> None:
+@pytest.mark.parametrize(
+    ("mode", "function"),
+    [("explicit", "sync_domain_gradients"), ("in-backward", "sync_domain_gradients_in_backward")],
+)
+def test_the_check_catches_a_missing_domain_sync(mode: str, function: str) -> None:
     """Without the domain sync each rank steps on its own band's gradient: the demo must fail."""
     code = (
         "import sys, credit.parallel.demo._train as train\n"
-        "train.sync_domain_gradients = lambda model, group: None\n"
+        f"train.{function} = lambda model, group: None\n"
         "from credit.parallel.demo import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     args = ["--dp", "1", "--tp", "1", "--domain", "2", "--steps", "2", "--accum", "1"]
+    args += ["--domain-sync", mode]
     result = _run([sys.executable, "-c", code, *args])
     assert result.returncode == 1, result.stdout + result.stderr
     (verdict,) = _verdicts(result.stdout)
@@ -205,6 +215,7 @@ def test_bad_option_exits_2_before_launching() -> None:
         (["--tp", "3"], "--tp 3 must divide the model's 4 attention heads"),
         (["--domain", "17"], "--domain 17: more latitude bands than the grid's 16 rows"),
         (["--start-method", "thread"], "argument --start-method: invalid choice: 'thread'"),
+        (["--domain-sync", "later"], "argument --domain-sync: invalid choice: 'later'"),
     ],
 )
 def test_bad_options_fail_fast_with_a_clear_message(

@@ -182,6 +182,8 @@ def _exit_mid_average(rank: int, world: int) -> str:
     """Six gradients, each its own all_reduce; the last rank leaves after the third."""
     grads = [torch.full((300,), float(rank + i)) for i in range(6)]
     cap_mb = 200 * 4 / 2**20  # below one gradient: each is reduced on its own, in order
+    for layout in (grads[:3], grads):  # verified on every rank: later calls are not checked
+        allreduce_grads_avg(layout, None, bucket_cap_mb=cap_mb)
     if rank == world - 1:
         allreduce_grads_avg(grads[:3], None, bucket_cap_mb=cap_mb)
         os._exit(17)
@@ -219,7 +221,10 @@ def _stall_in_average(rank: int, world: int, out_dir: Path) -> str:
 
 
 def _unchecked_mismatch(rank: int, world: int) -> str:
-    """Ranks pass gradients of different sizes, with the check off."""
+    """Ranks pass gradients of different sizes, with the check off, after the first call for
+    each layout verified it (a layout that changes on some ranks only)."""
+    for size in (5, 7):
+        allreduce_grads_avg([torch.ones(size)], None, check=False)
     allreduce_grads_avg([torch.ones(5 + 2 * rank)], None, check=False)
     return "finished"
 

@@ -16,6 +16,18 @@ cap, except for a non-contiguous tensor larger than the cap, which gets a bucket
 On CPU the collective is a SUM and the division by the group size happens while the result is
 copied back. gloo's ``ReduceOp.AVG`` is itself a SUM followed by a division pass over the buffer,
 so this gives the same bits with one pass over the memory less.
+
+Every element is averaged exactly once, whatever the list holds. Aliasing is resolved before any
+collective, from each tensor's storage, offset, shape and strides: a tensor listed twice, or a view
+whose elements all belong to another listed tensor, is averaged through that tensor and not on its
+own; two tensors that share some elements without one holding the other make the call raise. The
+tensors that remain share no element, so in-place collectives and bucket copies never touch the
+same memory at once.
+
+Ranks must issue the same collectives. The first call for each layout (the shapes, dtypes and the
+path each tensor takes) and group verifies it across the group in one small all_reduce (see
+``_layout_check``) and raises on every rank when the ranks differ; later calls for that layout
+issue only the data collectives.
 """
 
 from __future__ import annotations
@@ -28,8 +40,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from credit.parallel._foreach import group_by_device_and_dtype
+from credit.parallel import _aliasing
+from credit.parallel._foreach import group_indices_by_device_and_dtype
 from credit.parallel._groups import Averaging, averaging
+from credit.parallel._layout_check import verify_same_layout
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +75,6 @@ _FUSED_DIVIDE_MIN_NUMEL = 1 << 14
 
 
 @dataclass
-class _Bucket:
-    tensors: list[Tensor] = field(default_factory=list)
-    shapes: list[torch.Size] = field(default_factory=list)
-    numel: int = 0
-
-
-@dataclass
 class _InFlight:
     work: dist.Work
     flat: Tensor
@@ -75,25 +82,195 @@ class _InFlight:
     tensors: list[Tensor]
 
 
-def average_(tensors: list[Tensor], group: ProcessGroup | None, bucket_cap_bytes: int) -> None:
-    """Average every tensor in ``tensors`` in place over ``group`` (all ranks pass the same layout).
+@dataclass
+class _Bucket:
+    tensors: list[Tensor] = field(default_factory=list)
+    shapes: list[torch.Size] = field(default_factory=list)
+    numel: int = 0
+
+
+@dataclass
+class _KindPlan:
+    """The collectives of one (device, dtype): one buffer tiled by the tensors, or the tensors
+    reduced in place plus buckets."""
+
+    kind: _Kind
+    tiled: Tensor | None
+    direct: list[Tensor]
+    buckets: list[_Bucket]
+
+
+@dataclass
+class Plan:
+    """What a call averages and how, decided before any collective.
+
+    ``notes`` maps a tensor's index to what sets it apart from a bucketed tensor (reduced in
+    place, averaged through another tensor, overlapping another); with the shapes, dtypes and the
+    cap they decide every collective, so ranks that agree on them issue the same collectives.
+    ``refusal`` is why the call must not average at all (the message raised on every rank).
+    """
+
+    kinds: list[_KindPlan]
+    tensors: list[Tensor]
+    notes: dict[int, str]
+    cap_bytes: int
+    refusal: str | None = None
+
+    def refuse(self, index: int, note: str, message: str) -> None:
+        """Refuse the call because of tensor ``index``: nothing will be averaged."""
+        self.kinds, self.refusal = [], message
+        self.notes[index] = note
+
+    def key(self) -> tuple[object, ...]:
+        """The collectives and the notes, as a key for the verified-layout cache."""
+        collectives = tuple(
+            (
+                k.kind[1],
+                None if k.tiled is None else k.tiled.numel(),
+                tuple(t.shape for t in k.direct),
+                *(tuple(bucket.shapes) for bucket in k.buckets),
+            )
+            for k in self.kinds
+        )
+        return self.cap_bytes, len(self.tensors), collectives, tuple(self.notes.items())
+
+    def describe(self) -> list[str]:
+        """One line per tensor for the layout check (and its error message)."""
+        lines = []
+        for index, tensor in enumerate(self.tensors):
+            line = f"local shape={tuple(tensor.shape)} dtype={tensor.dtype}"
+            note = self.notes.get(index)
+            lines.append(line if note is None else f"{line} ({note})")
+        return lines
+
+
+def plan(tensors: list[Tensor], bucket_cap_bytes: int) -> Plan:
+    """Resolve aliasing and choose each tensor's path; no collective, nothing modified.
 
     Args:
         tensors: plain tensors (DTensors already unwrapped to their local shards).
-        group: the process group to average over (None for the world).
         bucket_cap_bytes: the largest bucket, in bytes.
     """
-    in_place: list[tuple[dist.Work, Tensor, int]] = []
-    for (device, dtype), same_kind in group_by_device_and_dtype(tensors).items():
-        reduction = _averaging(group, device)
-        base = _tiled_buffer(same_kind)
+    groups = group_indices_by_device_and_dtype(tensors)
+    tiled = _tiled_buffers(tensors, groups)
+    # Tensors that tile one buffer share no element: only the others need comparing, unless
+    # they reach a tiled buffer too.
+    loose = [i for kind, indices in groups.items() if kind not in tiled for i in indices]
+    covered, overlap, addresses = _aliasing.covering(tensors, loose)
+    if any(base.untyped_storage().data_ptr() in addresses for base in tiled.values()):
+        tiled = {}
+        covered, overlap, _ = _aliasing.covering(tensors, range(len(tensors)))
+    notes = {index: f"averaged through gradient {owner}" for index, owner in covered.items()}
+    if overlap is not None:
+        first, second = overlap
+        refused = Plan([], tensors, notes, bucket_cap_bytes)
+        refused.refuse(
+            second,
+            f"shares memory with gradient {first}",
+            f"grads[{first}] and grads[{second}] (counting the gradients that are not None) share "
+            "memory, but neither holds every element of the other, so the average of the shared "
+            "elements is undefined. Pass memory once: the tensor that holds the other, or views "
+            "that do not overlap. No gradient was modified.",
+        )
+        return refused
+    kinds = []
+    for kind, indices in groups.items():
+        base = tiled.get(kind)
         if base is not None:
-            in_place.append(_launch(base, reduction, group))
+            notes.update(dict.fromkeys(indices, "tiles one buffer"))
+            kinds.append(_KindPlan(kind, base, [], []))
             continue
-        cap = max(1, bucket_cap_bytes // dtype.itemsize)
-        direct, packed = _split_direct(same_kind, cap)
-        in_place.extend(_launch(tensor, reduction, group) for tensor in direct)
-        _reduce_in_buckets(packed, (device, dtype), cap, reduction, group)
+        kept = [i for i in indices if i not in covered]
+        cap = max(1, bucket_cap_bytes // kind[1].itemsize)
+        kinds.append(_plan_kind(kind, kept, tensors, cap, notes))
+    return Plan(kinds, tensors, notes, bucket_cap_bytes)
+
+
+def _tiled_buffers(tensors: list[Tensor], groups: dict[_Kind, list[int]]) -> dict[_Kind, Tensor]:
+    """The buffer each (device, dtype) of tensors exactly tiles, for those that tile one."""
+    tiled = {}
+    for kind, indices in groups.items():
+        base = _tiled_buffer([tensors[i] for i in indices])
+        if base is not None:
+            tiled[kind] = base
+    return tiled
+
+
+def _plan_kind(
+    kind: _Kind, indices: list[int], tensors: list[Tensor], cap: int, notes: dict[int, str]
+) -> _KindPlan:
+    same_kind = [tensors[i] for i in indices]
+    direct: list[Tensor] = []
+    packed: list[Tensor] = []
+    for index, tensor in zip(indices, same_kind, strict=True):
+        numel = tensor.numel()
+        if numel >= cap and tensor.is_contiguous():
+            notes[index] = "in place"
+            direct.append(tensor)
+        elif numel > 0:
+            packed.append(tensor)
+    return _KindPlan(kind, None, direct, _pack(packed, cap))
+
+
+# (group, layout key) of the layouts verified across their group, oldest first.
+_verified: dict[tuple[object, ...], None] = {}
+_MAX_VERIFIED = 64
+
+
+def verify(
+    plan: Plan, group: ProcessGroup | None, every_call: bool, what: str, hint: str = ""
+) -> None:
+    """Verify that every rank of ``group`` has ``plan``'s layout: on its first call for the
+    layout, or on every call with ``every_call``; then raise if the plan refuses the call.
+
+    Both errors are raised on every rank, before any data collective.
+
+    Args:
+        plan: from :func:`plan`.
+        group: the process group to average over (None for the world).
+        every_call: verify even a layout verified before (the check mode).
+        what: the calling function, for the messages.
+        hint: a likely cause, appended to the message when the layouts differ.
+
+    Raises:
+        RuntimeError: the ranks' layouts differ.
+        ValueError: the plan refuses the call (two tensors share memory without one holding the
+            other, or the group mixes a gradient's shards).
+    """
+    key = (dist.group.WORLD if group is None else group, plan.key())
+    known = key in _verified
+    if every_call or plan.refusal is not None or not known:
+        verify_same_layout(
+            plan.describe(),
+            group,
+            plan.tensors[0].device,
+            what,
+            f"bucket_cap_mb={plan.cap_bytes / 2**20:g}",  # a different cap packs other buckets
+            hint=hint,
+        )
+    if plan.refusal is not None:
+        raise ValueError(f"{what}: {plan.refusal}")
+    if not known:
+        if len(_verified) >= _MAX_VERIFIED:
+            del _verified[next(iter(_verified))]
+        _verified[key] = None
+
+
+def average_(plan: Plan, group: ProcessGroup | None) -> None:
+    """Average in place over ``group`` every tensor of a verified ``plan``.
+
+    Args:
+        plan: from :func:`plan`, verified with :func:`verify`.
+        group: the process group to average over (None for the world).
+    """
+    in_place: list[tuple[dist.Work, Tensor, int]] = []
+    for kind_plan in plan.kinds:
+        reduction = _averaging(group, kind_plan.kind[0])
+        if kind_plan.tiled is not None:
+            in_place.append(_launch(kind_plan.tiled, reduction, group))
+            continue
+        in_place.extend(_launch(tensor, reduction, group) for tensor in kind_plan.direct)
+        _reduce_in_buckets(kind_plan.buckets, kind_plan.kind, reduction, group)
     for work, tensor, divisor in in_place:
         work.wait()
         if divisor != 1:
@@ -115,27 +292,12 @@ def _launch(
     return work, tensor, reduction.divisor
 
 
-def _split_direct(tensors: list[Tensor], cap: int) -> tuple[list[Tensor], list[Tensor]]:
-    """(tensors reduced in place, non-empty tensors that go through buckets)."""
-    direct: list[Tensor] = []
-    packed: list[Tensor] = []
-    for tensor in tensors:
-        numel = tensor.numel()
-        if numel >= cap and tensor.is_contiguous():
-            direct.append(tensor)
-        elif numel > 0:
-            packed.append(tensor)
-    return direct, packed
-
-
 def _reduce_in_buckets(
-    tensors: list[Tensor],
+    buckets: list[_Bucket],
     kind: _Kind,
-    cap: int,
     reduction: Averaging,
     group: ProcessGroup | None,
 ) -> None:
-    buckets = _pack(tensors, cap)
     if not buckets:
         return
     slots = _slots(kind, max(b.numel for b in buckets), count=min(2, len(buckets)))

@@ -9,6 +9,8 @@ knows, are the full layouts gathered to name the first differing gradient.
 Pipeline stages hold different gradients by design: each stage's digests travel in a slot of
 their own, so ranks are compared with the other ranks of their stage only, while the settings
 (arguments such as the norm type) are compared across all stages.
+
+Averaging also runs the check, without the opt-in, on the first call for each layout and group.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def verify_same_layout(
     what: str,
     settings: str = "",
     stage: tuple[int, int] = (0, 1),
+    hint: str = "",
 ) -> None:
     """Raise RuntimeError on every rank of ``group`` unless the ranks of each stage passed the
     same layout and all ranks the same settings.
@@ -59,6 +62,7 @@ def verify_same_layout(
         what: the function being checked, for the message.
         settings: arguments that must also agree (e.g. ``"bucket_cap_mb=25"``).
         stage: ``(this rank's stage, number of stages)``; layouts are compared within a stage.
+        hint: a likely cause, appended to the message of a layout difference.
 
     Raises:
         RuntimeError: on every rank of ``group``, naming the first difference.
@@ -74,7 +78,8 @@ def verify_same_layout(
     if torch.equal(largest[held], -negated_smallest[held]):
         return
     everyone = _gather_layouts((index, settings, layout), group)
-    raise RuntimeError(_describe_mismatch(everyone, what))
+    message = _describe_mismatch(everyone, what)
+    raise RuntimeError(f"{message} {hint}" if hint else message)
 
 
 def _extremes(count: int, digest: int) -> list[int]:

@@ -14,9 +14,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _buckets, _inputs, _norms
+from credit.parallel import _buckets, _inputs, _norms, _ownership
 from credit.parallel._compat import local_tensor
 from credit.parallel._foreach import group_by_device_and_dtype, use_foreach
 from credit.parallel._groups import (
@@ -26,7 +27,7 @@ from credit.parallel._groups import (
     resolve_group,
 )
 from credit.parallel._inputs import DistinctAlong, TensorOrTensors
-from credit.parallel._layout_check import check_enabled, verify_same_layout
+from credit.parallel._layout_check import check_enabled
 
 __all__ = [
     "all_reduce_avg",
@@ -42,7 +43,7 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 def all_reduce_avg(tensor: Tensor, group: GroupLike = None) -> None:
     """In-place all_reduce average that also works on gloo.
 
-    Uses ``ReduceOp.AVG`` where the backend has it (NCCL; gloo from torch 2.8) and SUM followed by
+    Uses ``ReduceOp.AVG`` where the backend has it (gloo, NCCL) and SUM followed by
     a division elsewhere. A DTensor is averaged on its local shard. Without an initialised process
     group, or with a group of one, the tensor is left as it is.
 
@@ -83,21 +84,31 @@ def allreduce_grads_avg(
     gradient at least as large as a bucket, or gradients laid out by :func:`contiguous_grads_`, are
     reduced in place without a copy. Two bucket buffers per (dtype, device) are kept between calls.
 
+    Every element is averaged exactly once, whatever the list holds: a tensor listed twice, or a
+    view whose elements all belong to another listed tensor (a tied weight reached through two
+    modules, a view of a larger gradient), is averaged through that tensor. Two tensors that share
+    elements without one holding the other raise ValueError, before anything is modified.
+
     ``group`` must be orthogonal to any sharding of the DTensors (a domain or tp group), so that
-    every rank of it holds local shards of the same shapes.
+    every rank of it holds local shards of the same shapes. The first call for each layout and
+    group verifies, in one more small all_reduce, that every rank of ``group`` has the same layout
+    (the shapes and dtypes, and how each tensor is reduced), and raises RuntimeError on every rank
+    when they differ; later calls with that layout issue only the averaging all_reduces.
 
     Args:
         grads: iterable of gradient tensors (dense or DTensor); None entries are skipped.
         group: ProcessGroup or 1D DeviceMesh to average over (None for the world).
         bucket_cap_mb: largest bucket, in MiB. Default: 25.
-        check: verify first, in one small collective, that every rank passed the same layout, and
-            raise RuntimeError on every rank naming the first difference. Default: on when the
-            environment variable ``CREDIT_PARALLEL_CHECK=1`` is set.
+        check: verify the layout on every call, not only on the first call for each layout
+            (one small collective per call), to catch a layout that changes on some ranks only.
+            Default: on when the environment variable ``CREDIT_PARALLEL_CHECK=1`` is set.
 
     Raises:
         TypeError: an entry is not a tensor, or a gradient is not floating point.
-        ValueError: a gradient is sparse, or ``bucket_cap_mb`` is not positive.
-        RuntimeError: with the check on, ranks passed different layouts.
+        ValueError: a gradient is sparse, ``bucket_cap_mb`` is not positive, or two gradients
+            share memory without one holding the other (raised on every rank).
+        RuntimeError: the ranks' layouts differ (raised on every rank, naming the first
+            difference).
     """
     grad_list = _inputs.tensor_list(grads, "grads")
     _inputs.check_grads(grad_list, "grads")
@@ -107,11 +118,44 @@ def allreduce_grads_avg(
     if group_size(process_group) == 1 or not grad_list:
         return
     local = [local_tensor(g) for g in grad_list]
-    if check_enabled(check):
-        layout = [f"local shape={tuple(t.shape)} dtype={t.dtype}" for t in local]
-        settings = f"bucket_cap_mb={bucket_cap_mb}"  # a different cap packs different buckets
-        verify_same_layout(layout, process_group, local[0].device, "allreduce_grads_avg", settings)
-    _buckets.average_(local, process_group, int(bucket_cap_mb * 2**20))
+    plan = _buckets.plan(local, int(bucket_cap_mb * 2**20))
+    hint = ""
+    if any(isinstance(g, DTensor) for g in grad_list):
+        hint = _NOT_ORTHOGONAL
+        _refuse_mixed_shards(plan, grad_list, process_group)
+    _buckets.verify(plan, process_group, check_enabled(check), "allreduce_grads_avg", hint)
+    _buckets.average_(plan, process_group)
+
+
+_NOT_ORTHOGONAL = (
+    "The group must be orthogonal to the sharding of the DTensor gradients (a domain or tp group, "
+    "not the group FSDP2 shards them over), so that its ranks hold the same elements."
+)
+
+
+def _refuse_mixed_shards(
+    plan: _buckets.Plan, grads: list[Tensor], group: ProcessGroup | None
+) -> None:
+    """Refuse the call when ``group`` holds two ranks with different shards of one gradient."""
+    ranks = frozenset(
+        dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    )
+    verdicts: dict[tuple[int, object], bool] = {}
+    for index, grad in enumerate(grads):
+        if not isinstance(grad, DTensor):
+            continue
+        key = (id(grad.device_mesh), grad.placements)
+        if key not in verdicts:
+            verdicts[key] = _ownership.mixes_shards(grad, ranks)
+        if verdicts[key]:
+            plan.refuse(
+                index,
+                "its shards differ across the group",
+                f"averaging grads[{index}] over this group would mix different shards of it "
+                f"(placements {grad.placements} on {grad.device_mesh}). {_NOT_ORTHOGONAL} "
+                "No gradient was modified.",
+            )
+            return
 
 
 @torch.no_grad()

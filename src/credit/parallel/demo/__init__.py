@@ -2,8 +2,10 @@
 
 A tiny weather-style transformer is trained on real ranks laid out as (dp, tp, domain): FSDP2
 over dp, a TP plan on the attention and MLP projections over tp, and each domain rank's loss
-restricted to its own latitude band. At every accumulation boundary the trainer calls
-:func:`~credit.parallel.grad_sync.sync_domain_gradients`,
+restricted to its own latitude band. The domain average runs inside backward
+(:func:`~credit.parallel.grad_sync.sync_domain_gradients_in_backward`, the default where torch has
+FSDP2's all-reduce hook) or after it (:func:`~credit.parallel.grad_sync.sync_domain_gradients`,
+``--domain-sync explicit``); at every accumulation boundary the trainer then calls
 :func:`~credit.parallel.grad_sync.sync_replicated_gradients` and
 :func:`~credit.parallel.collectives.clip_grad_norm_` before the optimizer step. Rank 0 trains a
 single-process replica of the same model on the same global batches with torch's own clipping

@@ -12,6 +12,9 @@ from typing import TypeVar
 from credit.parallel.demo._model import ModelConfig
 
 BACKENDS = ("gloo", "nccl")
+DOMAIN_SYNCS = ("in-backward", "explicit")
+# In backward: the same bits as explicit, and nothing left to run after backward.
+DEFAULT_DOMAIN_SYNC = "in-backward"
 OPTIMIZERS = ("adamw", "sgd")
 START_METHODS = ("fork", "forkserver", "spawn")
 DEFAULT_DP, DEFAULT_TP = 2, 2
@@ -32,6 +35,7 @@ class Options:
     dp: int
     tp: int
     domain: int
+    domain_sync: str
     steps: int
     accum: int
     micro_batch: int
@@ -126,6 +130,13 @@ def _add_layout(group: argparse._ArgumentGroup) -> None:
         help="domain-parallel size: latitude bands. Default: 1",
     )
     group.add_argument(
+        "--domain-sync",
+        choices=DOMAIN_SYNCS,
+        default=DEFAULT_DOMAIN_SYNC,
+        help="average over the domain group inside backward (FSDP2's all-reduce hook) or "
+        f"after it (sync_domain_gradients). Default: {DEFAULT_DOMAIN_SYNC}",
+    )
+    group.add_argument(
         "--backend",
         choices=BACKENDS,
         default="gloo",
@@ -181,6 +192,7 @@ def _resolve(args: argparse.Namespace, in_place: bool) -> Options:
         dp=dp,
         tp=args.tp,
         domain=args.domain,
+        domain_sync=args.domain_sync,
         steps=args.steps,
         accum=args.accum,
         micro_batch=args.micro_batch,

@@ -8,7 +8,6 @@ are smooth waves drifting east by one grid cell per step, so the model has somet
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -42,8 +41,6 @@ class ModelConfig:
     def tokens(self) -> int:
         return (self.lat // self.patch) * (self.lon // self.patch)
 
-
-_HAS_SRC_DATA_RANK = "src_data_rank" in inspect.signature(parallelize_module).parameters
 
 # The projections that carry the TP plan; norms, embeddings and the head stay out of it.
 TP_PLAN: dict[str, ParallelStyle] = {
@@ -137,10 +134,9 @@ def parallelize(model: TinyWeatherModel, tp_mesh: DeviceMesh, dp_mesh: DeviceMes
     """
     blocks: list[nn.Module] = list(model.blocks)
     if tp_mesh.size() > 1:
-        # src_data_rank=None: no broadcast from the first rank (torch >= 2.6 has the argument).
-        local = {"src_data_rank": None} if _HAS_SRC_DATA_RANK else {}
         for block in blocks:
-            parallelize_module(block, tp_mesh, TP_PLAN, **local)
+            # src_data_rank=None: no broadcast from the first rank.
+            parallelize_module(block, tp_mesh, TP_PLAN, src_data_rank=None)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)

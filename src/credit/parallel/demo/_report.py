@@ -50,12 +50,16 @@ def _layout_description(options: Options) -> str:
     tp = "TP on attention q/k/v/out and MLP fc1/fc2" if options.tp > 1 else "no TP"
     if options.domain == 1:
         return f"{tp}, FSDP2 over dp, loss on the whole grid"
+    when = "inside backward" if options.domain_sync == "in-backward" else "after backward"
     lat = options.model.lat
     sizes = sorted(
         {lat * (i + 1) // options.domain - lat * i // options.domain for i in range(options.domain)}
     )
     rows = "-".join(map(str, sizes))
-    return f"{tp}, FSDP2 over dp, each domain rank's loss on its own band of {rows} latitude rows"
+    return (
+        f"{tp}, FSDP2 over dp, each domain rank's loss on its own band of {rows} latitude rows, "
+        f"domain average {when}"
+    )
 
 
 def torch_clip(error: str | None) -> None:

@@ -32,7 +32,11 @@ from credit.parallel.demo._model import (
     latitude_weights,
     parallelize,
 )
-from credit.parallel.grad_sync import sync_domain_gradients, sync_replicated_gradients
+from credit.parallel.grad_sync import (
+    sync_domain_gradients,
+    sync_domain_gradients_in_backward,
+    sync_replicated_gradients,
+)
 from credit.parallel.parallel_mesh import ParallelMesh, build_device_mesh
 
 logger = logging.getLogger(__name__)
@@ -161,6 +165,10 @@ class _ParallelRun:
         if not isinstance(model, FSDPModule):
             raise TypeError("the model must be wrapped by fully_shard")
         self.fsdp: FSDPModule = model
+        self.in_backward = options.domain_sync == "in-backward"
+        if self.in_backward:
+            # FSDP2's reduce-scatter of each unit then averages over the domain group too.
+            sync_domain_gradients_in_backward(model, mesh.domain)
         self.optimizer = _optimizer(model, options)
         coordinate = mesh.world.get_coordinate()
         assert coordinate is not None
@@ -181,7 +189,8 @@ class _ParallelRun:
             loss = band_loss(self.model(x), y, self.weights, self.rows, o.domain)
             (loss / o.accum).backward()
             total += loss.detach()
-        sync_domain_gradients(self.model, self.mesh.domain)
+        if not self.in_backward:
+            sync_domain_gradients(self.model, self.mesh.domain)
         sync_replicated_gradients(self.model, self.mesh.tp)
         torch_clip = _try_torch_clip(self.model) if step == 1 else None
         norm = clip_grad_norm_(self.model.parameters(), o.max_norm)
