@@ -1,17 +1,22 @@
 # Everything runs inside .venv, created on first use. torch is pinned for development and tests;
-# the package itself needs torch>=2.6. `make demo` installs only what the demo needs (torch and
-# the package); the other targets add the development tools.
+# the package itself needs torch>=2.10,<2.16 (`make test-compat` tests both ends). `make demo`
+# installs only what the demo needs (torch and the package); the other targets add the
+# development tools.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 BASE := $(VENV)/.installed-base
 DEV := $(VENV)/.installed-dev
 
-.PHONY: test lint typecheck unit demo bench docs clean
+.PHONY: test lint typecheck unit demo bench docs clean test-torch test-compat
+
+# The supported torch range (pyproject.toml), tested by `make test-compat` at both ends.
+TORCH_FLOOR := 2.10.0
+TORCH_NEWEST := 2.15.0
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0 numpy
 	$(PY) -m pip install --quiet -e .
 	touch $(BASE)
 
@@ -40,5 +45,21 @@ bench: $(DEV)
 docs: $(DEV)
 	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
+# `make test-torch TORCH=X.Y.Z`: the whole suite against that torch release, in its own venv.
+# The constraint override lets releases newer than the machine's pinned torch install.
+test-torch:
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=X.Y.Z" >&2; exit 2; }
+	$(MAKE) .venv-torch-$(TORCH)/.installed
+	.venv-torch-$(TORCH)/bin/python -m pytest -q
+
+test-compat:
+	$(MAKE) test-torch TORCH=$(TORCH_FLOOR)
+	$(MAKE) test-torch TORCH=$(TORCH_NEWEST)
+
+.venv-torch-%/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-torch-$*
+	PIP_CONSTRAINT=/dev/null .venv-torch-$*/bin/python -m pip install --quiet torch==$* -e '.[dev,docs]'
+	touch $@
+
 clean:
-	rm -rf $(VENV) docs/_build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-torch-* docs/_build .pytest_cache .mypy_cache .ruff_cache

@@ -165,6 +165,8 @@ def _dense_grads_averaged(seed: int) -> None:
             (TINY_BUCKET_MB, TINY_BUCKET_ALL_REDUCES),
             (25.0, DEFAULT_BUCKET_ALL_REDUCES),
         ):
+            # The first call for a layout verifies it in one more all_reduce: count later calls.
+            allreduce_grads_avg(_dense_grads(seed, dyadic), group, bucket_cap_mb=cap_mb)
             grads = _dense_grads(seed, dyadic)
             originals = [None if g is None else g.clone() for g in grads]
             addresses = [None if g is None else (g.data_ptr(), g.stride()) for g in grads]
@@ -192,6 +194,9 @@ def _tiled_views_averaged(seed: int) -> None:
         buffer = torch.randn(20, generator=generator)
         before = buffer.clone()
         views = [buffer[start:stop].view(2, 5) for start, stop in slices]
+        scratch = torch.zeros(20)  # the first call for a layout verifies it: count later calls
+        scratch_views = [scratch[start:stop].view(2, 5) for start, stop in slices]
+        allreduce_grads_avg(scratch_views, group, bucket_cap_mb=TINY_BUCKET_MB * 4)
         with _AllReduces() as recorded:
             allreduce_grads_avg(views, group, bucket_cap_mb=TINY_BUCKET_MB * 4)
         assert len(recorded.ops) == expected_calls, f"{name}: {recorded.ops}"
@@ -288,6 +293,13 @@ def test_dtensor_grads_are_averaged_on_their_local_shards(ranks):
 # all_reduce_avg: native AVG and the SUM-then-divide fallback
 
 
+_SUPPORTS_NATIVE_AVG = groups_module.supports_native_avg
+
+
+def _no_native_avg(group: object, device: torch.device) -> bool:
+    return False
+
+
 def _all_reduce_avg_both_paths(seed: int) -> None:
     generator = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
     for name, group, _ in _groups():
@@ -302,12 +314,13 @@ def _all_reduce_avg_both_paths(seed: int) -> None:
                     all_reduce_avg(native, group)
                 assert recorded.ops == ["AVG"], f"{what}: {recorded.ops}"
                 fallback = original.clone()
-                groups_module._GLOO_HAS_AVG = False
+                # The fallback, as on a backend without AVG (MPI, UCC).
+                groups_module.supports_native_avg = _no_native_avg
                 try:
                     with _AllReduces() as recorded:
                         all_reduce_avg(fallback, group)
                 finally:
-                    groups_module._GLOO_HAS_AVG = True
+                    groups_module.supports_native_avg = _SUPPORTS_NATIVE_AVG
                 assert recorded.ops == ["SUM"], f"{what}: {recorded.ops}"
                 assert _same_bits(native, fallback), f"{what}: native {native} != {fallback}"
                 originals = _gather(original, process_group)
@@ -341,7 +354,7 @@ def test_all_reduce_avg_native_and_fallback_give_the_same_bits(ranks):
 
 
 def _avg_native_flag_is_restored() -> bool:
-    return groups_module._GLOO_HAS_AVG
+    return groups_module.supports_native_avg is _SUPPORTS_NATIVE_AVG
 
 
 def test_the_fallback_switch_was_restored(ranks):

@@ -138,11 +138,15 @@ def _fsdp_tp(dp: DeviceMesh, tp: DeviceMesh) -> Case:
     return Case(model, full_grads(model))
 
 
+def _shard_per_block(model: nn.Module, mesh: DeviceMesh) -> None:
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def _fsdp_alone(dp: DeviceMesh, seed: int = 0) -> Case:
     model = _model(seed)
-    for block in model.blocks:
-        fully_shard(block, mesh=dp)
-    fully_shard(model, mesh=dp)
+    _shard_per_block(model, dp)
     run_step(model, 0, dp.get_local_rank(), dp.size())
     return Case(model, full_grads(model))
 
@@ -182,9 +186,7 @@ def half_world_fsdp() -> Case:
 def sliced_hsdp() -> Case:
     world = mesh((2, dist.get_world_size() // 2), ("replicate", "shard"))
     model = _model()
-    for block in model.blocks:
-        fully_shard(block, mesh=world)
-    fully_shard(model, mesh=world)
+    _shard_per_block(model, world)
     run_step(model, 0, dist.get_rank(), dist.get_world_size())
     return Case(model, full_grads(model))
 

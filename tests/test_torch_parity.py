@@ -424,6 +424,11 @@ def _inf_norm_with_an_empty_shard() -> tuple[bool, float, float, bool]:
     return raised, float(ours), float(reference), same_bits_everywhere(ours)
 
 
+@pytest.mark.skipif(
+    torch.__version__.startswith("2.10."),
+    reason="torch 2.10's get_total_norm issues a collective on the ranks where it does not raise, "
+    "so calling it where some ranks raise desyncs the group",
+)
 def test_fsdp_inf_norm_where_torch_raises_on_an_empty_shard(ranks):
     results = ranks.run(4, _inf_norm_with_an_empty_shard)
     assert [raised for raised, *_ in results] == [False, True, True, True]

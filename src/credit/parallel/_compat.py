@@ -1,27 +1,89 @@
-"""The private torch APIs the library relies on, one function per concern.
+"""The private and release-dependent torch APIs the library relies on, one function per concern.
 
-DTensor's public accessors cost microseconds of autograd bookkeeping per call, which adds up over
-thousands of gradients per step; these read the same state directly.
+The supported range is torch 2.10 to 2.15 (``pyproject.toml``); each function says which releases
+it covers and how. DTensor's public accessors cost microseconds of autograd bookkeeping per call,
+which adds up over thousands of gradients per step; :func:`local_tensor` and :func:`dtensor_spec`
+read the same state directly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-try:  # the right-to-left shard of FSDP2 + TP; no longer a Shard subclass in recent torch
-    from torch.distributed.tensor.placement_types import _StridedShard
+# The right-to-left shard of FSDP2 + TP: a placement of its own, not a Shard subclass, from 2.10 on.
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils import _foreach_utils
 
-    _SHARD_TYPES: tuple[type, ...] = (Shard, _StridedShard)
-except ImportError:  # pragma: no cover - torch without _StridedShard
-    _SHARD_TYPES = (Shard,)
+if TYPE_CHECKING:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
-    """The local shard of a DTensor (``to_local()`` without its autograd bookkeeping), or ``tensor``."""
+    """The local shard of a DTensor (``to_local()`` without its autograd bookkeeping), or ``tensor``.
+
+    ``DTensor._local_tensor`` on every supported release (2.10 to 2.15).
+    """
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def dtensor_spec(tensor: DTensor) -> DTensorSpec:
+    """The spec object of ``tensor`` (mesh, placements, global shape), shared by equal layouts.
+
+    ``DTensor._spec`` on every supported release (2.10 to 2.15); FSDP2 and TP reuse one spec object
+    per parameter across steps, so its identity is a cache key.
+    """
+    return tensor._spec
+
+
 def is_shard(placement: Placement) -> bool:
-    """Whether ``placement`` splits the tensor across its mesh dim (strided shards included)."""
-    return isinstance(placement, _SHARD_TYPES) or placement.is_shard()
+    """Whether ``placement`` splits the tensor across its mesh dim (strided shards included).
+
+    ``_StridedShard`` is no ``Shard`` subclass on the supported releases (2.10 to 2.15), so it is
+    matched by name.
+    """
+    return isinstance(placement, (Shard, _StridedShard)) or placement.is_shard()
+
+
+def foreach_norm(tensors: list[Tensor], order: float, dtype: torch.dtype | None) -> list[Tensor]:
+    """One norm per tensor in one foreach kernel, accumulated in ``dtype`` (None: each tensor's).
+
+    ``torch._foreach_norm(..., dtype=)`` on every supported release (2.10 to 2.15).
+    """
+    return list(torch._foreach_norm(tensors, order, dtype=dtype))
+
+
+def group_by_device_and_dtype(
+    tensors: list[Tensor],
+) -> dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]]:
+    """``tensors`` grouped by (device, dtype) in torch's order, each group with its indices.
+
+    ``torch.utils._foreach_utils._group_tensors_by_device_and_dtype(..., with_indices=True)``, the
+    grouping torch's own clip uses, on every supported release (2.10 to 2.15).
+    """
+    grouped = _foreach_utils._group_tensors_by_device_and_dtype([tensors], with_indices=True)  # type: ignore[list-item]
+    return {key: (lists[0], indices) for key, (lists, indices) in grouped.items()}  # type: ignore[misc]
+
+
+def foreach_supported(tensors: list[Tensor] | None, device: torch.device) -> bool:
+    """Whether torch runs foreach kernels on ``tensors`` (None: on any tensors of ``device``).
+
+    ``torch.utils._foreach_utils._has_foreach_support`` and ``_device_has_foreach_support`` on
+    every supported release (2.10 to 2.15).
+    """
+    if tensors is None:
+        return _foreach_utils._device_has_foreach_support(device)
+    return _foreach_utils._has_foreach_support(tensors, device)
+
+
+def queue_at_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the running backward pass has finished.
+
+    The autograd engine's ``queue_callback``, as DDP and FSDP use it, on every supported release
+    (2.10 to 2.15).
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

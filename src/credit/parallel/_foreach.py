@@ -4,33 +4,29 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils._foreach_utils import (
-    _device_has_foreach_support,
-    _group_tensors_by_device_and_dtype,
-    _has_foreach_support,
-)
+
+from credit.parallel._compat import foreach_supported
+from credit.parallel._compat import group_by_device_and_dtype as _grouped
 
 
 def group_by_device_and_dtype(
     tensors: list[Tensor],
 ) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
     """``tensors`` grouped in torch's order (the order decides the bits of a stacked norm)."""
-    grouped = _group_tensors_by_device_and_dtype([tensors])  # type: ignore[list-item]
-    return {key: lists[0] for key, (lists, _) in grouped.items()}  # type: ignore[misc]
+    return {key: group for key, (group, _) in _grouped(tensors).items()}
 
 
 def group_indices_by_device_and_dtype(
     tensors: list[Tensor],
 ) -> dict[tuple[torch.device, torch.dtype], list[int]]:
     """Indices into ``tensors`` grouped as :func:`group_by_device_and_dtype` groups them."""
-    grouped = _group_tensors_by_device_and_dtype([tensors], with_indices=True)  # type: ignore[list-item]
-    return {key: indices for key, (_, indices) in grouped.items()}
+    return {key: indices for key, (_, indices) in _grouped(tensors).items()}
 
 
 def use_foreach(foreach: bool | None, tensors: list[Tensor], device: torch.device) -> bool:
     """torch's rule: foreach where supported when None; True demands support."""
-    if (foreach is None and _has_foreach_support(tensors, device)) or (
-        foreach and _device_has_foreach_support(device)
+    if (foreach is None and foreach_supported(tensors, device)) or (
+        foreach and foreach_supported(None, device)
     ):
         return True
     if foreach:

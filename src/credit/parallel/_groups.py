@@ -11,9 +11,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 GroupLike = ProcessGroup | DeviceMesh | None
 
-# gloo gained ReduceOp.AVG in torch 2.8; before that it raises "Cannot use ReduceOp.AVG with Gloo".
-_GLOO_HAS_AVG = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 8)
-
 
 def is_distributed() -> bool:
     """True when a default process group exists; otherwise every function acts on a world of one."""
@@ -75,7 +72,7 @@ class Averaging:
 
 
 def averaging(group: ProcessGroup | None, device: torch.device) -> Averaging:
-    """``ReduceOp.AVG`` where the backend has it for ``device``, else SUM and a division."""
+    """``ReduceOp.AVG`` where the backend has it for ``device``, else SUM and a division (MPI, UCC)."""
     if supports_native_avg(group, device):
         return Averaging(dist.ReduceOp.AVG, 1)
     return Averaging(dist.ReduceOp.SUM, dist.get_world_size(group))
@@ -87,6 +84,4 @@ def supports_native_avg(group: ProcessGroup | None, device: torch.device) -> boo
     if ":" in backend:  # a per-device backend such as "cpu:gloo,cuda:nccl"
         per_device = dict(item.split(":", 1) for item in backend.split(","))
         backend = per_device.get(device.type, backend)
-    if backend == "gloo":
-        return _GLOO_HAS_AVG
-    return backend in ("nccl", "xccl", "fake")
+    return backend in ("gloo", "nccl", "xccl", "fake")  # gloo: from torch 2.8, below the floor

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from credit.parallel import _inputs, _ownership, _partial
-from credit.parallel._compat import local_tensor
+from credit.parallel._compat import foreach_norm, local_tensor
 from credit.parallel._foreach import group_indices_by_device_and_dtype, use_foreach
 from credit.parallel._groups import (
     GroupLike,
@@ -255,7 +255,7 @@ def _norms_of(tensors: list[Tensor], request: NormRequest, device: torch.device)
         return []
     order, dtype = request.order, request.dtype
     if use_foreach(request.foreach, tensors, device):
-        return list(torch._foreach_norm(tensors, order, dtype=dtype))
+        return foreach_norm(tensors, order, dtype)
     return [torch.linalg.vector_norm(t, order, dtype=dtype) for t in tensors]
 
 

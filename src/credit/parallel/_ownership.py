@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from credit.parallel._compat import local_tensor
+from credit.parallel._compat import dtensor_spec, is_shard, local_tensor
 
 # Holdings are cached per DTensor spec object (FSDP2 and TP reuse them across steps); a cache that
 # grows past this many entries is dropped and rebuilt.
@@ -121,7 +121,7 @@ def holding(grad: Tensor) -> Holding:
         key: tuple = (grad.shape, grad.dtype, grad.device)
         found = _by_value.get(key)
         return found if found is not None else _remember(key, _plain_holding(grad))
-    spec = grad._spec
+    spec = dtensor_spec(grad)
     entry = _by_spec.get(id(spec))
     if entry is not None:
         return entry[1]
@@ -231,3 +231,27 @@ def coverage(held: Holding, at: Stages) -> int:
     if at.is_reference:
         contributed -= at.size * held.replicas * held.global_numel
     return contributed
+
+
+def mixes_shards(grad: Tensor, group_ranks: frozenset[int]) -> bool:
+    """Whether averaging ``grad`` over the ranks ``group_ranks`` would mix different shards.
+
+    True when two ranks of the group sit on one line of ``grad``'s mesh along a dim that shards it
+    (FSDP2 grads averaged over their own dp group): they hold different elements, whatever the
+    shapes. Read from the mesh's rank map, as the copies are.
+    """
+    if not isinstance(grad, DTensor):
+        return False
+    spec = dtensor_spec(grad)
+    mesh = spec.mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    for dim, placement in enumerate(spec.placements):
+        if not is_shard(placement) or mesh.size(dim) == 1:
+            continue
+        line = list(coordinate)
+        line[dim] = slice(None)  # type: ignore[call-overload]
+        if len(group_ranks.intersection(mesh.mesh[tuple(line)].tolist())) > 1:
+            return True
+    return False
