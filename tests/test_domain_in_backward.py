@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -108,15 +109,34 @@ def _train_step(
     return counts
 
 
-def _check_against_explicit(
-    explicit: nn.Module,
-    ours: nn.Module,
-    handle: DomainSyncHandle,
-    set_explicit_sync: Callable[[bool], None],
-    where: tuple[ProcessGroup, int, tuple[int, int], ProcessGroup | None],
-) -> dict[str, object]:
-    """One step in each mode, then everything the tests assert, as plain values."""
-    domain, domain_rank, dp, tp = where
+@dataclass
+class _Modes:
+    """A model synced explicitly and its copy synced in backward by ``handle``.
+
+    ``where`` is (domain group, domain rank, (dp rank, dp size), tp group or None).
+    """
+
+    explicit: nn.Module
+    ours: nn.Module
+    handle: DomainSyncHandle
+    set_explicit_sync: Callable[[bool], None]
+    where: tuple[ProcessGroup, int, tuple[int, int], ProcessGroup | None]
+
+
+def _compare(modes: _Modes) -> dict[str, object]:
+    """Everything the tests assert, as plain values: a step in each mode, then after remove()."""
+    return {"kind": modes.handle.kind} | _check_against_explicit(modes) | _after_remove(modes)
+
+
+def _check_against_explicit(modes: _Modes) -> dict[str, object]:
+    """One step in each mode: bits, traffic, the clip and the refusals of double use."""
+    explicit, ours, handle, set_explicit_sync = (
+        modes.explicit,
+        modes.ours,
+        modes.handle,
+        modes.set_explicit_sync,
+    )
+    domain, domain_rank, dp, tp = modes.where
     _train_step(explicit, set_explicit_sync, 1, domain_rank, dp, domain)
     explicit_after = _collectives(lambda: sync_domain_gradients(explicit, domain))
     sync_replicated_gradients(explicit, tp)
@@ -148,19 +168,14 @@ def _error(call: Callable[[], object]) -> str:
     return ""
 
 
-def _after_remove(
-    explicit: nn.Module,
-    ours: nn.Module,
-    handle: DomainSyncHandle,
-    set_explicit_sync: Callable[[bool], None],
-    where: tuple[ProcessGroup, int, tuple[int, int], ProcessGroup | None],
-) -> dict[str, object]:
+def _after_remove(modes: _Modes) -> dict[str, object]:
     """remove(), then a step on both models with the explicit sync: the same bits again."""
-    domain, domain_rank, dp, tp = where
+    explicit, ours, handle = modes.explicit, modes.ours, modes.handle
+    domain, domain_rank, dp, tp = modes.where
     handle.remove()
     handle.remove()  # twice does nothing
     for model, set_sync in (
-        (explicit, set_explicit_sync),
+        (explicit, modes.set_explicit_sync),
         (ours, handle.set_requires_gradient_sync),
     ):
         model.zero_grad(set_to_none=True)
@@ -209,14 +224,9 @@ def _fsdp_body(with_tp: bool) -> dict[str, object]:
     explicit, ours = _pair(lambda: _fsdp(TinyNet(), world["dp"], tp_mesh))
     handle = sync_domain_gradients_in_backward(ours, world["domain"])
     assert isinstance(explicit, FSDPModule)
-    result = _check_against_explicit(
-        explicit, ours, handle, explicit.set_requires_gradient_sync, where
-    )
+    result = _compare(_Modes(explicit, ours, handle, explicit.set_requires_gradient_sync, where))
     result["units"] = sum(isinstance(m, FSDPModule) for m in ours.modules())
-    result["kind"] = handle.kind
-    return result | _after_remove(
-        explicit, ours, handle, explicit.set_requires_gradient_sync, where
-    )
+    return result
 
 
 def _ddp_body() -> dict[str, object]:
@@ -231,9 +241,7 @@ def _ddp_body() -> dict[str, object]:
     def explicit_sync(flag: bool) -> None:
         explicit.require_backward_grad_sync = flag  # what no_sync() sets
 
-    result = _check_against_explicit(explicit, ours, handle, explicit_sync, where)
-    result["kind"] = handle.kind
-    return result | _after_remove(explicit, ours, handle, explicit_sync, where)
+    return _compare(_Modes(explicit, ours, handle, explicit_sync, where))
 
 
 def _plain_body() -> dict[str, object]:
@@ -242,9 +250,7 @@ def _plain_body() -> dict[str, object]:
     where = (domain, dist.get_rank(), (0, 1), None)
     explicit, ours = _pair(TinyNet)
     handle = sync_domain_gradients_in_backward(ours, world)
-    result = _check_against_explicit(explicit, ours, handle, lambda flag: None, where)
-    result["kind"] = handle.kind
-    return result | _after_remove(explicit, ours, handle, lambda flag: None, where)
+    return _compare(_Modes(explicit, ours, handle, lambda flag: None, where))
 
 
 def _failed_backward_body() -> tuple[bool, int]:
