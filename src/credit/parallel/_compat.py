@@ -43,8 +43,8 @@ def dtensor_spec(tensor: DTensor) -> DTensorSpec:
 def is_shard(placement: Placement) -> bool:
     """Whether ``placement`` splits the tensor across its mesh dim (strided shards included).
 
-    ``_StridedShard`` is no ``Shard`` subclass on the supported releases (2.10 to 2.15), so it is
-    matched by name.
+    ``_StridedShard`` is no ``Shard`` subclass on the supported releases (2.10 to 2.15), so both
+    types are matched.
     """
     return isinstance(placement, (Shard, _StridedShard)) or placement.is_shard()
 
