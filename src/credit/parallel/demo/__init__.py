@@ -3,8 +3,7 @@
 A tiny weather-style transformer is trained on real ranks laid out as (dp, tp, domain): FSDP2
 over dp, a TP plan on the attention and MLP projections over tp, and each domain rank's loss
 restricted to its own latitude band. The domain average runs inside backward
-(:func:`~credit.parallel.grad_sync.sync_domain_gradients_in_backward`, the default where torch has
-FSDP2's all-reduce hook) or after it (:func:`~credit.parallel.grad_sync.sync_domain_gradients`,
+(:func:`~credit.parallel.grad_sync.sync_domain_gradients_in_backward`, the default) or after it (:func:`~credit.parallel.grad_sync.sync_domain_gradients`,
 ``--domain-sync explicit``); at every accumulation boundary the trainer then calls
 :func:`~credit.parallel.grad_sync.sync_replicated_gradients` and
 :func:`~credit.parallel.collectives.clip_grad_norm_` before the optimizer step. Rank 0 trains a
@@ -18,6 +17,9 @@ started instead.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 from credit.parallel.demo._cli import DEFAULT_RTOL, Options, parse
 
@@ -41,7 +43,13 @@ def main(argv: list[str]) -> int:
     if options.in_place:
         from credit.parallel.demo._train import run_worker
 
-        return run_worker(options)
+        code = run_worker(options)
+        # Leave without running torch's C++ destructors: after an FSDP2 run, interpreter exit
+        # aborts in about one run of six under torchrun ("terminate called without an active
+        # exception", inside torch), which would turn a passing run into a failure.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     from credit.parallel.demo._launch import launch
 
     return launch(options)
