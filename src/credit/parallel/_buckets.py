@@ -199,10 +199,10 @@ def _tiled_buffers(tensors: list[Tensor], groups: dict[_Kind, list[int]]) -> dic
 def _plan_kind(
     kind: _Kind, indices: list[int], tensors: list[Tensor], cap: int, notes: dict[int, str]
 ) -> _KindPlan:
-    same_kind = [tensors[i] for i in indices]
     direct: list[Tensor] = []
     packed: list[Tensor] = []
-    for index, tensor in zip(indices, same_kind, strict=True):
+    for index in indices:
+        tensor = tensors[index]
         numel = tensor.numel()
         if numel >= cap and tensor.is_contiguous():
             notes[index] = "in place"

@@ -47,13 +47,11 @@ def backend_for(model: nn.Module, group: ProcessGroup | None) -> Backend:
     return PlainBackend(model, group)
 
 
-def refuse_registered_twice(params: list[Tensor]) -> None:
-    for index, param in enumerate(params):
-        if param in averaged_in_backward:
-            raise RuntimeError(
-                f"sync_domain_gradients_in_backward: parameter {index} is averaged inside "
-                "backward already by another handle; call remove() on that handle first"
-            )
+def first_averaged_in_backward(params: list[Tensor]) -> int | None:
+    """The index of the first of ``params`` that a live handle averages inside backward."""
+    if not averaged_in_backward:
+        return None
+    return next((i for i, param in enumerate(params) if param in averaged_in_backward), None)
 
 
 class FSDP2Backend:

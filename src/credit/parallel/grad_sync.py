@@ -90,16 +90,14 @@ def sync_domain_gradients(
 
 def _refuse_averaged_in_backward(params: list[Tensor]) -> None:
     """RuntimeError when a handle already averages these gradients inside backward."""
-    if not _in_backward.averaged_in_backward:
-        return
-    for index, param in enumerate(params):
-        if param in _in_backward.averaged_in_backward:
-            raise RuntimeError(
-                f"sync_domain_gradients: parameter {index} is averaged over the domain group "
-                "inside backward already (sync_domain_gradients_in_backward); averaging it again "
-                "would redo the work, and with more than two domain ranks change its bits. Drop "
-                "this call, or call remove() on the handle to go back to the explicit sync"
-            )
+    index = _in_backward.first_averaged_in_backward(params)
+    if index is not None:
+        raise RuntimeError(
+            f"sync_domain_gradients: parameter {index} is averaged over the domain group "
+            "inside backward already (sync_domain_gradients_in_backward); averaging it again "
+            "would redo the work, and with more than two domain ranks change its bits. Drop "
+            "this call, or call remove() on the handle to go back to the explicit sync"
+        )
 
 
 def sync_domain_gradients_in_backward(model: nn.Module, group: GroupLike) -> DomainSyncHandle:
@@ -160,7 +158,12 @@ def sync_domain_gradients_in_backward(model: nn.Module, group: GroupLike) -> Dom
     backend = _in_backward.backend_for(model, process_group)
     params: list[Tensor] = [param for param in model.parameters() if param.requires_grad]
     if process_group is not None:
-        _in_backward.refuse_registered_twice(params)
+        index = _in_backward.first_averaged_in_backward(params)
+        if index is not None:
+            raise RuntimeError(
+                f"sync_domain_gradients_in_backward: parameter {index} is averaged inside "
+                "backward already by another handle; call remove() on that handle first"
+            )
         backend.attach()
     return DomainSyncHandle(backend, params if process_group is not None else [])
 
