@@ -70,11 +70,16 @@ def count_collectives(call: Callable[[], object]) -> int:
     return mode.get_total_counts()
 
 
-def _count_with_pipeline(dp: int, tp: int) -> int:
-    """One norm over two pipeline stages: a (pp=2, dp/2, tp) mesh with pp_group its pp dim."""
+def _count_with_pipeline(dp: int, tp: int) -> tuple[int, int]:
+    """Norms over two pipeline stages, a (pp=2, dp/2, tp) mesh with pp_group its pp dim: the
+    first call's collectives, and a later call's."""
     pp_mesh = init_device_mesh("cpu", (2, dp // 2, tp), mesh_dim_names=("pp", "dp", "tp"))
     grads = mixed_grads(pp_mesh["dp", "tp"])
-    return count_collectives(lambda: total_grad_norm(grads, pp_group=pp_mesh["pp"]))
+
+    def norm() -> None:
+        total_grad_norm(grads, pp_group=pp_mesh["pp"])
+
+    return count_collectives(norm), count_collectives(norm)
 
 
 def counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
@@ -110,6 +115,7 @@ def counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
         def average() -> None:
             allreduce_grads_avg(replicated, world_mesh["tp"], bucket_cap_mb=cap_mb)
 
+        pipeline_first, pipeline_later = _count_with_pipeline(dp, tp)
         return {
             # A control that the counting sees DTensor's own collectives: torch's norm of the
             # 2D-mesh grads alone redistributes with one all_reduce per mesh dim.
@@ -124,7 +130,10 @@ def counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
             "total_grad_norm, unflattened world": count(lambda: total_grad_norm(unflattened)),
             "total_grad_norm p=inf": count(lambda: total_grad_norm(grads, math.inf)),
             "clip_grad_norm_": count(lambda: clip_grad_norm_(params, 1.0)),
-            "total_grad_norm with pp_group": _count_with_pipeline(dp, tp),
+            # Under pp_group: the norm, then the verification, and once per pp group the
+            # stages' lowest ranks.
+            "first call with pp_group": pipeline_first,
+            "total_grad_norm with pp_group": pipeline_later,
             "allreduce_grads_avg, first call for a layout": count(average),
             "allreduce_grads_avg": count(average),
         }

@@ -128,6 +128,7 @@ def _report_on_pipeline(layout: str, grouping: str) -> list[tuple[Any, ...]]:
         kwargs["group_by"] = by_block
         if grouping == "block_named":
             kwargs["groups"] = STAGE_GROUPS
+    grad_norm_report(model.named_parameters(), **kwargs)  # the layout's first call verifies it
     results = []
     for norm_type in NORM_TYPES:
         with CommDebugMode() as comm:
@@ -138,9 +139,9 @@ def _report_on_pipeline(layout: str, grouping: str) -> list[tuple[Any, ...]]:
     return [(*r[:4], r[4].get_total_counts()) for r in results]
 
 
-# Collectives: one all_reduce, whatever the stages' meshes; the names of group_by's groups are
-# first gathered over pp_group unless passed as ``groups`` (all_gather_object: an all_gather of
-# sizes, then of the pickled names).
+# Collectives once the layout is verified: one all_reduce, whatever the stages' meshes; the names
+# of group_by's groups are first gathered over pp_group unless passed as ``groups``
+# (all_gather_object: an all_gather of sizes, then of the pickled names).
 @pytest.mark.parametrize(
     ("layout", "grouping", "collectives"),
     [

@@ -127,6 +127,7 @@ def _norms_match_all_stages(layout: str, as_process_group: bool) -> list[tuple[f
     if as_process_group and isinstance(pp_group, DeviceMesh):
         pp_group = pp_group.get_group()
     reference_grads = all_stages(stage, [g.clone() for g in full_grads(model)])
+    total_grad_norm(grads(model), pp_group=pp_group)  # the layout's first call verifies it
     results = []
     for norm_type in NORM_TYPES:
         with CommDebugMode() as comm:
@@ -139,7 +140,8 @@ def _norms_match_all_stages(layout: str, as_process_group: bool) -> list[tuple[f
     return results
 
 
-# Collectives per norm: one, whatever the stages' meshes and however pp_group is given.
+# Collectives per norm once the layout is verified: one, whatever the stages' meshes and however
+# pp_group is given.
 @pytest.mark.parametrize(
     ("layout", "as_process_group", "collectives"),
     [
@@ -223,6 +225,7 @@ def _stage_without_dtensor_grads(
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(stage))).sum().backward()
     stage_grads = grads(model)
     reference_grads = all_stages(stage, [g.clone() for g in full_grads(model)])
+    total_grad_norm(stage_grads, pp_group=pp_group)  # the layout's first call verifies it
     results = []
     for norm_type in (2.0, math.inf):
         with CommDebugMode() as comm:
@@ -235,7 +238,8 @@ def _stage_without_dtensor_grads(
 
 
 # A frozen or plain stage issues the same collectives as the FSDP2 stage, however pp_group is
-# given and with the check on (which compares each stage's layout within the stage), or all hang.
+# given and with the check on (which compares each stage's layout within the stage, and verifies
+# the copies after the norm), or all hang.
 @pytest.mark.parametrize(
     ("kind", "pp_as", "check"),
     [
@@ -251,7 +255,8 @@ def test_stage_without_dtensor_grads_joins_the_same_collective(ranks, kind, pp_a
         for norm_type, distance, same_bits, collectives in rank_results:
             assert distance <= TOLERANCE_ULP, f"{kind} p={norm_type}: {distance} ULP"
             assert same_bits
-            assert collectives == 1 + check  # the check's layout digest, beside the norm
+            # the check's layout digest and its verification of the copies, beside the norm
+            assert collectives == 1 + 2 * check
 
 
 def _stages_with_different_dtypes() -> tuple[int, bool, str]:

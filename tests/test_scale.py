@@ -52,6 +52,12 @@ def test_one_setup_collective_per_layout_at_1024_ranks(counts, call, rank):
 
 
 @pytest.mark.parametrize("rank", ["first", "last"])
+def test_first_call_with_pp_group_at_1024_ranks(counts, rank):
+    # The norm, the verification of the layout, and the stages' lowest ranks (once per pp group).
+    assert counts[rank]["first call with pp_group"] == 3
+
+
+@pytest.mark.parametrize("rank", ["first", "last"])
 @pytest.mark.parametrize(
     "call",
     [

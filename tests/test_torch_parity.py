@@ -1,8 +1,8 @@
 """Drop-in parity with torch: clip_grad_norm_ and total_grad_norm against torch.nn.utils.
 
-Plain tensors (one process, and on 2 gloo ranks where plain gradients stay local): the norm, its
-dtype and device, and every clipped gradient have the same bits as torch's, for every argument
-torch takes. Homogeneous DTensor sets (FSDP2 on a 1D mesh): the same bits as torch's
+Plain tensors (one process, and on 2 gloo ranks, as replicas proven equal or with ``per_rank=True``
+for ranks that hold models of their own): the norm, its dtype and device, and every clipped
+gradient have the same bits as torch's, for every argument torch takes. Homogeneous DTensor sets (FSDP2 on a 1D mesh): the same bits as torch's
 ``clip_grad_norm_(...).full_tensor()`` on an identical copy of the model, and the same clipped
 local shards. HSDP on a 2D (replicate, shard) mesh: the same value as torch's within a stated
 tolerance.
@@ -91,7 +91,7 @@ def _assert_grads_same_bits(ours: list[Tensor], reference: list[Tensor], what: s
 
 
 def _rank_seed(seed: int) -> int:
-    """Different gradients on each rank: plain gradients must not be reduced across ranks."""
+    """Different gradients on each rank: models of their own, normed with ``per_rank=True``."""
     return seed + (dist.get_rank() if dist.is_initialized() else 0)
 
 
@@ -99,14 +99,16 @@ def _rank_seed(seed: int) -> int:
 # plain tensors: one body, run in this process and on 2 gloo ranks
 
 
-def _clip_matches_torch(seed: int) -> None:
+def _clip_matches_torch(seed: int, per_rank: bool = False) -> None:
     for norm_type in NORM_TYPES:
         for max_norm_value in MAX_NORMS:
             for max_norm in (max_norm_value, torch.tensor(max_norm_value)):
                 for kind in ("tensor", "list", "generator"):
                     what = f"p={norm_type!r} max_norm={max_norm!r} parameters as {kind}"
                     ours_params, torch_params = _params(seed), _params(seed)
-                    ours = clip_grad_norm_(_container(ours_params, kind), max_norm, norm_type)
+                    ours = clip_grad_norm_(
+                        _container(ours_params, kind), max_norm, norm_type, per_rank=per_rank
+                    )
                     reference = torch.nn.utils.clip_grad_norm_(
                         _container(torch_params, kind), max_norm, norm_type
                     )
@@ -114,16 +116,16 @@ def _clip_matches_torch(seed: int) -> None:
                     _assert_grads_same_bits(ours_params, torch_params, what)
 
 
-def _total_norm_matches_torch(seed: int) -> None:
+def _total_norm_matches_torch(seed: int, per_rank: bool = False) -> None:
     for norm_type in NORM_TYPES:
         for foreach in (None, False, True):  # True works on CPU, as in torch
             what = f"p={norm_type!r} foreach={foreach}"
             tensors = [p.grad for p in _params(seed) if p.grad is not None]
-            ours = total_grad_norm(tensors, norm_type, foreach=foreach)
+            ours = total_grad_norm(tensors, norm_type, foreach=foreach, per_rank=per_rank)
             reference = torch.nn.utils.get_total_norm(tensors, norm_type, foreach=foreach)
             _assert_same_bits(ours, reference, what)
             ours_params, torch_params = _params(seed), _params(seed)
-            ours = clip_grad_norm_(ours_params, 1.0, norm_type, foreach=foreach)
+            ours = clip_grad_norm_(ours_params, 1.0, norm_type, foreach=foreach, per_rank=per_rank)
             reference = torch.nn.utils.clip_grad_norm_(
                 torch_params, 1.0, norm_type, foreach=foreach
             )
@@ -131,7 +133,7 @@ def _total_norm_matches_torch(seed: int) -> None:
             _assert_grads_same_bits(ours_params, torch_params, f"clip {what}")
 
 
-def _single_dtype_sets_match_torch(seed: int) -> None:
+def _single_dtype_sets_match_torch(seed: int, per_rank: bool = False) -> None:
     """The norm's dtype follows the gradients': bf16 alone gives a bf16 norm, as in torch."""
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
         specs = [
@@ -152,7 +154,7 @@ def _single_dtype_sets_match_torch(seed: int) -> None:
             ):
                 what = f"{dtype} p={norm_type} max_norm={max_norm!r}"
                 ours_params, torch_params = _params(seed, specs), _params(seed, specs)
-                ours = clip_grad_norm_(ours_params, max_norm, norm_type)
+                ours = clip_grad_norm_(ours_params, max_norm, norm_type, per_rank=per_rank)
                 reference = torch.nn.utils.clip_grad_norm_(torch_params, max_norm, norm_type)
                 assert reference.dtype == dtype
                 _assert_same_bits(ours, reference, what)
@@ -188,7 +190,7 @@ def _empty_generator_warns_as_torch() -> None:
         clip_grad_norm_([], 1.0)
 
 
-def _nonfinite_as_torch(seed: int) -> None:
+def _nonfinite_as_torch(seed: int, per_rank: bool = False) -> None:
     for poison in (math.inf, -math.inf, math.nan):
         for norm_type in NORM_TYPES:
             what = f"grad with {poison} p={norm_type!r}"
@@ -200,7 +202,9 @@ def _nonfinite_as_torch(seed: int) -> None:
 
             # error_if_nonfinite=True: both raise the same error and leave every gradient as it was
             with pytest.raises(RuntimeError, match="non-finite") as ours_error:
-                clip_grad_norm_(ours_params, 1.0, norm_type, error_if_nonfinite=True)
+                clip_grad_norm_(
+                    ours_params, 1.0, norm_type, error_if_nonfinite=True, per_rank=per_rank
+                )
             with pytest.raises(RuntimeError, match="non-finite") as torch_error:
                 torch.nn.utils.clip_grad_norm_(
                     torch_params, 1.0, norm_type, error_if_nonfinite=True
@@ -210,7 +214,7 @@ def _nonfinite_as_torch(seed: int) -> None:
                 _assert_same_bits(param.grad, original, f"{what}: grad {index} untouched")
 
             # error_if_nonfinite=False: both return the non-finite norm and scale by it
-            ours = clip_grad_norm_(ours_params, 1.0, norm_type)
+            ours = clip_grad_norm_(ours_params, 1.0, norm_type, per_rank=per_rank)
             reference = torch.nn.utils.clip_grad_norm_(torch_params, 1.0, norm_type)
             assert not torch.isfinite(reference), what
             _assert_same_bits(ours, reference, what)
@@ -232,14 +236,16 @@ def _foreach_on_a_device_without_foreach_kernels() -> None:
             total_grad_norm([params[0].grad], foreach=foreach)
 
 
-def _plain_parity(seed: int) -> None:
-    seed = _rank_seed(seed)
-    _clip_matches_torch(seed)
-    _total_norm_matches_torch(seed)
-    _single_dtype_sets_match_torch(seed)
+def _plain_parity(seed: int, per_rank: bool) -> None:
+    """Replicas (the same gradients on every rank), or models of their own with ``per_rank``."""
+    if per_rank:
+        seed = _rank_seed(seed)
+    _clip_matches_torch(seed, per_rank)
+    _total_norm_matches_torch(seed, per_rank)
+    _single_dtype_sets_match_torch(seed, per_rank)
+    _nonfinite_as_torch(seed, per_rank)
     _no_gradients_give_zero()
     _empty_generator_warns_as_torch()
-    _nonfinite_as_torch(seed)
     _foreach_on_a_device_without_foreach_kernels()
 
 
@@ -260,9 +266,11 @@ def test_plain_tensors_match_torch_in_one_process(case):
     PLAIN_CASES[case](7)
 
 
-def test_plain_tensors_match_torch_on_two_gloo_ranks(ranks):
-    """With a process group, plain gradients are still reduced locally, exactly as torch does."""
-    ranks.run(2, _plain_parity, 7)
+@pytest.mark.parametrize("per_rank", [False, True], ids=["replicas", "per_rank"])
+def test_plain_tensors_match_torch_on_two_gloo_ranks(ranks, per_rank):
+    """With a process group, plain gradients are still reduced locally, exactly as torch does:
+    replicas once proven equal, a model per rank with ``per_rank=True``."""
+    ranks.run(2, _plain_parity, 7, per_rank)
 
 
 def test_empty_gradient_with_inf_norm_is_left_out_where_torch_raises():

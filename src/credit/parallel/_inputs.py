@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from credit.parallel._groups import GroupLike, group_ranks, is_distributed, resolve_group
 
@@ -47,16 +48,36 @@ def module_parameters(model_or_params: nn.Module | TensorOrTensors) -> list[Tens
     return list(dict.fromkeys(params))
 
 
-def parameter_list(parameters: TensorOrTensors) -> list[Tensor]:
-    """``parameters`` as a list, with torch's warning for an empty generator."""
+def parameter_list(
+    parameters: TensorOrTensors | nn.Module | Iterable[tuple[str, Tensor]],
+) -> tuple[list[Tensor], list[str] | None]:
+    """``parameters`` as a list, and their names where it has them (a module, or ``(name,
+    tensor)`` pairs such as ``model.named_parameters()``), with torch's warning for an empty
+    generator."""
+    if isinstance(parameters, nn.Module):
+        named = list(parameters.named_parameters())
+        return [param for _, param in named], [name for name, _ in named]
     is_generator = isinstance(parameters, types.GeneratorType)
+    if isinstance(parameters, Iterable) and not isinstance(parameters, (Tensor, str, bytes)):
+        parameters = list(parameters)
+        if parameters and all(_is_named(item) for item in parameters):
+            return [param for _, param in parameters], [name for name, _ in parameters]
     params = tensor_list(parameters, "parameters")
     if is_generator and not params:
         warnings.warn(
             "`parameters` is an empty generator, no gradient clipping will occur.",
             stacklevel=3,
         )
-    return params
+    return params, None
+
+
+def _is_named(item: object) -> bool:
+    return (
+        isinstance(item, tuple)
+        and len(item) == 2
+        and isinstance(item[0], str)
+        and isinstance(item[1], Tensor)
+    )
 
 
 def check_grads(grads: list[Tensor], argument: str) -> None:
@@ -115,6 +136,23 @@ def check_max_norm(max_norm: float | Tensor) -> None:
         value = float(max_norm)
     if math.isnan(value) or value < 0:
         raise ValueError(f"max_norm must be a non-negative number, got {value}")
+
+
+def check_per_rank(
+    grads: list[Tensor], pp_group: GroupLike, distinct_along: DistinctAlong | None
+) -> None:
+    """ValueError unless ``per_rank=True`` fits: plain gradients, no pp_group, no distinct_along."""
+    if pp_group is not None or distinct_along is not None:
+        raise ValueError(
+            "per_rank=True norms each rank's own gradients alone, so it takes neither pp_group "
+            "nor distinct_along"
+        )
+    for index, grad in enumerate(grads):
+        if isinstance(grad, DTensor):
+            raise ValueError(
+                f"grads[{index}] is a DTensor, whose mesh spreads it over several ranks; "
+                "per_rank=True is for the plain gradients of models that each rank trains on its own"
+            )
 
 
 def distinct_groups(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from credit.parallel import _inputs, _ownership, _partial
+from credit.parallel import _copies, _inputs, _ownership, _partial
 from credit.parallel._compat import foreach_norm, local_tensor
 from credit.parallel._foreach import group_indices_by_device_and_dtype, use_foreach
 from credit.parallel._groups import (
@@ -61,8 +62,10 @@ class NormRequest:
         pp_group: this rank's pipeline group, or None.
         distinct: for each gradient, the ranks along which its copies differ (None: replicas),
             or None when no gradient is declared distinct.
-        check: verify the layout across ranks and the copy counts on this call.
+        check: verify the layout across ranks and the copies on this call.
+        per_rank: each rank norms its own gradients alone (ranks that train independent models).
         what: the public function, for messages.
+        label: names gradient ``i`` in messages (its parameter's name, or its place in the call).
     """
 
     order: float
@@ -71,7 +74,9 @@ class NormRequest:
     pp_group: ProcessGroup | None
     distinct: list[frozenset[int] | None] | None
     check: bool
+    per_rank: bool
     what: str
+    label: Callable[[int], str]
 
 
 def request(
@@ -83,16 +88,26 @@ def request(
     dtype: torch.dtype | None,
     check: bool | None,
     what: str = "total_grad_norm",
+    *,
+    per_rank: bool = False,
+    label: Callable[[int], str] | None = None,
 ) -> NormRequest:
     """The norm arguments, checked before any collective and resolved.
 
     Args:
         grads: the gradients to norm.
-        norm_type, foreach, pp_group, distinct_along, dtype, check: as for ``total_grad_norm``.
+        norm_type, foreach, pp_group, distinct_along, dtype, check, per_rank: as for
+            ``total_grad_norm``.
         what: the public function, for messages.
+        label: names gradient ``i`` in messages. Default: ``grads[i]``.
+
+    Raises:
+        TypeError, ValueError: as for ``total_grad_norm``.
     """
     order = _inputs.norm_order(norm_type)
     _inputs.check_grads(grads, "grads")
+    if per_rank:
+        _inputs.check_per_rank(grads, pp_group, distinct_along)
     pp_process_group = resolve_group(pp_group, "pp_group")
     return NormRequest(
         order=order,
@@ -101,8 +116,14 @@ def request(
         pp_group=pp_process_group if group_size(pp_process_group) > 1 else None,
         distinct=_inputs.distinct_groups(distinct_along, grads),
         check=check_enabled(check) and is_distributed(),
+        per_rank=per_rank,
         what=what,
+        label=label if label is not None else _grad_label,
     )
+
+
+def _grad_label(index: int) -> str:
+    return f"grads[{index}]"
 
 
 @dataclass
@@ -152,19 +173,25 @@ def reduce(
     held = [_ownership.holding(g) for g in grads]
     if request.check:
         _check_same_layout(held, request, at, _collective_device(local))
-    if at.count == 1 and request.distinct is None and all(h.mesh is None for h in held):
-        # Plain replicas (DDP): each rank's norm is the norm, as torch takes it, no collective.
+    if request.per_rank:
         return _local_norms(local, request, _result_dtype(grads, request.dtype))
-    if not request.order > 0:
+    # Plain replicas (DDP), once proven to be copies: each rank's norm is the norm, as torch
+    # takes it, with no collective.
+    replicas = at.count == 1 and request.distinct is None and all(h.mesh is None for h in held)
+    if not replicas and not request.order > 0:
         raise ValueError(
             f"norm_type must be positive or inf for distributed grads, got {request.order}"
         )
     layout = _layout(held, local, at, request.distinct)
     result_dtype = request.dtype or layout.grads_dtype
-    if at.count == 1:
-        return _single_stage(local, layout, request, at, result_dtype)
-    segments = segment_of if segment_of is not None else [0] * len(grads)
-    return _pipeline(local, layout, request, at, result_dtype, segments, segment_count)
+    if at.count > 1:
+        segments = segment_of if segment_of is not None else [0] * len(grads)
+        return _pipeline(local, layout, request, at, result_dtype, segments, segment_count)
+    if not layout.verified or request.check:  # the same on every rank: they share the layout
+        _verify(layout, local, request, at)
+    if replicas:
+        return _local_norms(local, request, _result_dtype(grads, request.dtype))
+    return _single_stage(local, layout, request, result_dtype)
 
 
 def _stages(pp_group: ProcessGroup | None) -> Stages:
@@ -271,6 +298,7 @@ class _Layout:
     """
 
     held: list[Holding]
+    distinct: list[frozenset[int] | None]
     groups: list[tuple[torch.device, list[int]]]
     grads_dtype: torch.dtype  # the promotion of the gradients' dtypes, as torch's norm has it
     weights: list[float]  # per input gradient
@@ -313,6 +341,7 @@ def _layout(
     error = next((e for e in errors if e is not None), None) or _partial.unsupported(held)
     layout = _Layout(
         held=held,
+        distinct=distinct,
         groups=_torch_order(local),
         grads_dtype=_promoted({h.dtype for h in held}),
         weights=[_ownership.weight(h, at, d) for h, d in zip(held, distinct, strict=True)],
@@ -331,15 +360,9 @@ def _layout(
 
 
 def _single_stage(
-    local: list[Tensor],
-    layout: _Layout,
-    request: NormRequest,
-    at: Stages,
-    result_dtype: torch.dtype,
+    local: list[Tensor], layout: _Layout, request: NormRequest, result_dtype: torch.dtype
 ) -> Reduced:
     device = _collective_device(local)
-    if not layout.verified or request.check:
-        _verify(layout, at, request.what, device)
     completed = _partial.complete(local, layout.held) if layout.has_partial else local
     stacked, inputs = _stacked_norms(completed, layout.groups, request)
     if stacked is None:  # no gradients on any rank (the layout is shared)
@@ -377,15 +400,82 @@ def _max_over_ranks(norms: Tensor) -> Tensor:
     return torch.where(both[1] > 0, math.nan, both[0])
 
 
-def _verify(layout: _Layout, at: Stages, what: str, device: torch.device) -> None:
-    """The self-check of a single-stage layout: one int64 all_reduce, raised on every rank."""
-    terms = torch.tensor(
-        [*layout.coverage, int(layout.error is not None)], dtype=torch.int64, device=device
+# ---------------------------------------------------------------------------------------------
+# the first call for a layout: the self-check and the copies
+
+
+def _verify(layout: _Layout, local: list[Tensor], request: NormRequest, at: Stages) -> None:
+    """Prove the layout in one float64 all_reduce, raising on every rank when it fails.
+
+    Two things are proven: the self-check (every rank of a stage holds a shard of every gradient
+    on its own copy of the mesh: the terms of ``_ownership.coverage`` sum to zero), and that the
+    ranks taken for copies of a shard hold the same values (``_copies``). Sums run per gradient
+    within a stage, per stage across stages. A NaN or inf leaves the copies unproven until a
+    later call: the norm is not finite then anyway. Every rank must call it together: within a
+    stage on the first call for the layout they share, across stages when any stage asks (see
+    :func:`_pipeline`).
+    """
+    device = _collective_device(local)
+    if at.count == 1:
+        slot_count = len(layout.held)
+        coverage = torch.tensor(layout.coverage, dtype=torch.float64, device=device)
+    else:  # the stages hold different gradients: one sum per stage
+        slot_count = at.count
+        coverage = torch.zeros(slot_count, dtype=torch.float64, device=device)
+        coverage[at.index] = sum(layout.coverage)
+    copies = (
+        None if layout.error is not None else _copies_plan(layout, at, request.pp_group, device)
     )
-    dist.all_reduce(terms, op=dist.ReduceOp.SUM)
-    if bool(terms.any()) and moves_data():
-        _raise_layout_failure(layout, at, what)
+    fingerprints = torch.zeros(slot_count, _copies.WIDTH, dtype=torch.float64, device=device)
+    nonfinite = False
+    if copies is not None:
+        fingerprints, nonfinite = _copies.terms(copies, local, device)
+    flags = torch.tensor([layout.error is not None, nonfinite], dtype=torch.float64, device=device)
+    vector = torch.cat([coverage, flags, fingerprints.flatten()])
+    dist.all_reduce(vector, op=dist.ReduceOp.SUM)
+    if not moves_data():
+        layout.verified = True
+        return
+    coverage, flags, fingerprints = vector.split([slot_count, 2, fingerprints.numel()])
+    if bool(coverage.abs().ge(0.5).any()) or flags[0] > 0:  # integers, exact in float64
+        _raise_layout_failure(layout, at, request.what)
+    if flags[1] > 0:
+        return
+    assert copies is not None
+    if not _copies.agree(fingerprints.view(slot_count, _copies.WIDTH)):
+        mine = _copies.records(copies, layout.held, local, at.index, request.label)
+        _copies.raise_mismatch(mine, at.index, len(layout.held), request.what)
     layout.verified = True
+
+
+def _copies_plan(
+    layout: _Layout, at: Stages, pp_group: ProcessGroup | None, device: torch.device
+) -> _copies.Plan:
+    lowest = _lowest_rank_of_stage(at, pp_group, device)
+    groups = [
+        _ownership.copy_group(held, at, lowest, distinct)
+        for held, distinct in zip(layout.held, layout.distinct, strict=True)
+    ]
+    if at.count == 1:
+        return _copies.plan(layout.held, groups, list(range(len(groups))), len(groups))
+    return _copies.plan(layout.held, groups, [at.index] * len(groups), at.count)
+
+
+# The lowest rank of this rank's stage, learned once per pipeline group.
+_lowest_by_pp_group: dict[ProcessGroup, int] = {}
+
+
+def _lowest_rank_of_stage(at: Stages, pp_group: ProcessGroup | None, device: torch.device) -> int:
+    """0 within a single stage; under pipeline stages one small all_reduce, once per pp_group."""
+    if pp_group is None:
+        return 0
+    lowest = _lowest_by_pp_group.get(pp_group)
+    if lowest is None:
+        ranks = torch.full((at.count,), dist.get_world_size(), dtype=torch.int64, device=device)
+        ranks[at.index] = dist.get_rank()
+        dist.all_reduce(ranks, op=dist.ReduceOp.MIN)
+        lowest = _lowest_by_pp_group[pp_group] = int(ranks[at.index])
+    return lowest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,23 +515,34 @@ def _pipeline(
             weights = stacked.new_tensor([layout.weights[i] for i in inputs])
             values.index_add_(0, segments, stacked**order * weights)
     broken = values.new_tensor([float(layout.error is not None)])
+    # Stages hold different layouts, seen for the first time on different calls: any stage's
+    # first call (or the check mode) makes every rank verify, after this collective.
+    unverified = values.new_tensor([float(not layout.verified or request.check)])
     if order == math.inf:
         nan = torch.isnan(values)
-        vector = torch.cat([torch.where(nan, 0.0, values), nan.to(values), present, votes, broken])
+        vector = torch.cat(
+            [torch.where(nan, 0.0, values), nan.to(values), present, votes, broken, unverified]
+        )
         dist.all_reduce(vector, op=dist.ReduceOp.MAX)
-        values, nan, present, votes, checks = vector.split([segment_count] * 3 + [len(votes), 1])
+        values, nan, present, votes, checks, unverified = vector.split(
+            [segment_count] * 3 + [len(votes), 1, 1]
+        )
         entries = torch.where(nan > 0, math.nan, values)
         total = entries.max()  # NaN if any entry is
     else:
         # The self-check's terms sum to zero over the world when every stage holds whole copies.
         residual = values.new_tensor([sum(layout.coverage)])
-        vector = torch.cat([values, present, votes, residual, broken])
+        vector = torch.cat([values, present, votes, residual, broken, unverified])
         dist.all_reduce(vector, op=dist.ReduceOp.SUM)
-        values, present, votes, checks = vector.split([segment_count] * 2 + [len(votes), 2])
+        values, present, votes, checks, unverified = vector.split(
+            [segment_count] * 2 + [len(votes), 2, 1]
+        )
         entries = values ** (1.0 / order)
         total = values.sum() ** (1.0 / order)
     if bool(checks.ne(0).any()) and moves_data():
         _raise_layout_failure(layout, at, request.what)
+    if bool(unverified > 0):
+        _verify(layout, local, request, at)
     if request.dtype is None:
         voted = [dtype for dtype, vote in zip(_RESULT_DTYPES, votes.tolist(), strict=True) if vote]
         result_dtype = (
@@ -508,5 +609,8 @@ def _check_same_layout(
     held: list[Holding], request: NormRequest, at: Stages, device: torch.device
 ) -> None:
     layout = [h.description for h in held]
-    settings = f"norm_type={request.order} dtype={request.dtype} stages={at.count}"
+    settings = (
+        f"norm_type={request.order} dtype={request.dtype} stages={at.count} "
+        f"per_rank={request.per_rank}"
+    )
     verify_same_layout(layout, None, device, request.what, settings, stage=(at.index, at.count))

@@ -98,6 +98,11 @@ class Holding:
             addends of the gradient rather than a shard of it.
         dtype: the local tensor's dtype.
         device: the local tensor's device.
+        shard_key: this rank's coordinates along the mesh dims that split the gradient (Shard and
+            Partial dims): the same on every rank that holds the same values.
+        replicated: identical copies of the local values inside the mesh: the sizes of its
+            Replicate dims multiplied (Partial addends are not copies of each other).
+        replica_index: this rank's position among those copies (0 for the first).
     """
 
     description: str
@@ -109,6 +114,9 @@ class Holding:
     partial_dims: tuple[tuple[int, str], ...]
     dtype: torch.dtype
     device: torch.device
+    shard_key: tuple[int, ...] = ()
+    replicated: int = 1
+    replica_index: int = 0
 
 
 _by_spec: dict[int, tuple[object, Holding]] = {}  # id(spec) -> (spec, holding); holds the spec
@@ -165,6 +173,8 @@ def _dtensor_holding(grad: DTensor) -> Holding:
         if placement.is_partial() and mesh.size(dim) > 1
     )
     local = local_tensor(grad)
+    coordinate = mesh.get_coordinate() or [0] * mesh.ndim  # None: this rank is not in the mesh
+    replicate_dims = [d for d, placement in enumerate(placements) if placement.is_replicate()]
     return Holding(
         description=(
             f"DTensor shape={tuple(grad.shape)} dtype={grad.dtype} placements={placements} "
@@ -182,7 +192,23 @@ def _dtensor_holding(grad: DTensor) -> Holding:
         partial_dims=partial_dims,
         dtype=local.dtype,
         device=local.device,
+        shard_key=tuple(
+            c
+            for c, placement in zip(coordinate, placements, strict=True)
+            if not placement.is_replicate()
+        ),
+        replicated=math.prod(mesh.size(d) for d in replicate_dims),
+        replica_index=_ravel(
+            [coordinate[d] for d in replicate_dims], [mesh.size(d) for d in replicate_dims]
+        ),
     )
+
+
+def _ravel(coordinates: list[int], sizes: list[int]) -> int:
+    index = 0
+    for coordinate, size in zip(coordinates, sizes, strict=True):
+        index = index * size + coordinate
+    return index
 
 
 def weight(held: Holding, at: Stages, distinct: frozenset[int] | None) -> float:
@@ -231,6 +257,63 @@ def coverage(held: Holding, at: Stages) -> int:
     if at.is_reference:
         contributed -= at.size * held.replicas * held.global_numel
     return contributed
+
+
+@dataclass(frozen=True)
+class CopyGroup:
+    """The ranks that the rank maps say hold the same values as this rank's shard of a gradient.
+
+    Attributes:
+        size: how many ranks hold those values (1: no copies to compare).
+        is_reference: whether this rank's copy is the one the others are compared with; every
+            group has exactly one.
+        key: names the shard among the gradient's shards, the same on all of its copies.
+    """
+
+    size: int
+    is_reference: bool
+    key: tuple[int, ...]
+
+
+def copy_group(
+    held: Holding, at: Stages, lowest: int, distinct: frozenset[int] | None
+) -> CopyGroup | None:
+    """This rank's :class:`CopyGroup` for ``held``, or None where it holds nothing of it.
+
+    The copies are the ranks at the same place of the other copies of the mesh in the stage
+    (cosets, as :func:`weight` counts them), times the Replicate dims inside the mesh. The
+    reference is the copy at coordinate 0 along the Replicate dims in the mesh copy that holds the
+    stage's lowest rank ``lowest``, which every member of that copy can see in its own rank map.
+    With ``distinct``, the copies of the mesh run across blocks made of ``distinct`` groups: the
+    block holding ``lowest`` is visible from a plain gradient (its block is its group) or when
+    the stage holds one block only; otherwise the group shrinks to the Replicate dims, and copies
+    across blocks are not compared.
+
+    Args:
+        held: what this rank holds of the gradient, for a layout without ``layout_error``.
+        at: the stages of the world.
+        lowest: the lowest rank of this rank's stage.
+        distinct: ranks of the group along which the gradient's copies differ, or None.
+    """
+    if dist.get_rank() not in held.mesh_ranks:
+        return None
+    mesh_copies = at.size // len(held.mesh_ranks)
+    key = held.shard_key
+    in_reference_block = lowest in held.mesh_ranks
+    if distinct is not None:
+        mesh_copies //= len(distinct)
+        key += (sorted(distinct).index(dist.get_rank()),)
+        if len(held.mesh_ranks) == 1:
+            in_reference_block = lowest in distinct
+        elif mesh_copies > 1:  # the other blocks of the stage cannot be seen from here
+            mesh_copies, in_reference_block = 1, True
+        else:
+            in_reference_block = True
+    return CopyGroup(
+        size=mesh_copies * held.replicated,
+        is_reference=in_reference_block and held.replica_index == 0,
+        key=key,
+    )
 
 
 def mixes_shards(grad: Tensor, group_ranks: frozenset[int]) -> bool:

@@ -9,11 +9,11 @@ Every function works without ``torch.distributed`` initialised, as on a world of
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
@@ -169,6 +169,7 @@ def total_grad_norm(
     distinct_along: DistinctAlong | None = None,
     dtype: torch.dtype | None = None,
     check: bool | None = None,
+    per_rank: bool = False,
 ) -> Tensor:
     """Total p-norm of a set of gradients that may live on different meshes.
 
@@ -186,11 +187,15 @@ def total_grad_norm(
     Every rank of the world must call it, and within a pipeline stage every rank must pass the
     same gradients in the same order (see ``check``). The first call for a layout verifies, in
     one more small all_reduce, that the ranks' shards add up to exactly one count of every
-    element, and raises on every rank when they do not.
+    element, and that the ranks taken for copies of a shard hold the same values (compared by
+    fingerprints, within a tolerance of rounding); it raises on every rank when either fails,
+    rather than average values that are not copies. A call whose gradients hold a NaN or inf
+    leaves the comparison to the next call.
 
-    Plain tensors alone are reduced locally, exactly as torch does. DTensors on a mesh spanning
-    the world (FSDP2 over every rank) give the same bits as torch's
-    ``clip_grad_norm_(...).full_tensor()``.
+    Plain tensors alone are replicas (DDP): once the first call has proven them equal, each rank
+    reduces them locally, exactly as torch does, with no collective. Ranks that train models of
+    their own pass ``per_rank=True`` instead. DTensors on a mesh spanning the world (FSDP2 over
+    every rank) give the same bits as torch's ``clip_grad_norm_(...).full_tensor()``.
 
     Args:
         grads: tensor or iterable of gradient tensors (dense or DTensor); None entries are skipped.
@@ -207,29 +212,37 @@ def total_grad_norm(
             grads). On CUDA the foreach kernels read the low-precision gradients directly; on CPU
             each gradient is upcast in turn (a transient copy of one gradient at a time).
         check: verify first that the ranks of each stage passed the same layout, and verify the
-            copy counts on every call (two small collectives). Default: on when the environment
-            variable ``CREDIT_PARALLEL_CHECK=1`` is set.
+            copy counts and the copies' values on every call (two small collectives). It never
+            changes the result. Default: on when the environment variable
+            ``CREDIT_PARALLEL_CHECK=1`` is set.
+        per_rank: each rank trains a model of its own: return the norm of this rank's plain
+            gradients alone, as torch does without a process group, with no collective.
 
     Returns:
-        The total norm as a plain scalar tensor (never a DTensor), the same on every rank.
+        The total norm as a plain scalar tensor (never a DTensor), the same on every rank (with
+        ``per_rank``, this rank's).
 
     Raises:
         TypeError: an entry is not a tensor, a gradient is not floating point, or ``norm_type`` is
             not a number.
         ValueError: a gradient is sparse, ``norm_type`` is not positive for distributed
-            gradients, or a mesh, ``pp_group`` or ``distinct_along`` group does not fit the
-            others (raised on every rank).
+            gradients, a mesh, ``pp_group`` or ``distinct_along`` group does not fit the
+            others, ranks taken for copies of a gradient hold different values (raised on every
+            rank, naming the gradient, the ranks and the likely fix), or ``per_rank`` is passed
+            with DTensor gradients, ``pp_group`` or ``distinct_along``.
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite, the ranks' shards do not
             add up to whole gradients, or the check failed (raised on every rank).
     """
     grad_list = _inputs.tensor_list(grads, "grads")
-    request = _norms.request(grad_list, norm_type, foreach, pp_group, distinct_along, dtype, check)
+    request = _norms.request(
+        grad_list, norm_type, foreach, pp_group, distinct_along, dtype, check, per_rank=per_rank
+    )
     return _total_norm(grad_list, request, error_if_nonfinite).total
 
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: TensorOrTensors,
+    parameters: TensorOrTensors | nn.Module | Iterable[tuple[str, Tensor]],
     max_norm: float | Tensor,
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
@@ -239,6 +252,7 @@ def clip_grad_norm_(
     distinct_along: DistinctAlong | None = None,
     dtype: torch.dtype | None = None,
     check: bool | None = None,
+    per_rank: bool = False,
 ) -> Tensor:
     """Mixed-mesh-safe drop-in for ``torch.nn.utils.clip_grad_norm_``.
 
@@ -249,7 +263,9 @@ def clip_grad_norm_(
     the same bits as torch's.
 
     Args:
-        parameters: tensor or iterable of tensors whose ``.grad`` is clipped in place.
+        parameters: tensor or iterable of tensors whose ``.grad`` is clipped in place; or a
+            module, or ``(name, parameter)`` pairs (``model.named_parameters()``), so that errors
+            name the parameters.
         max_norm: max norm of the gradients (float or scalar tensor).
         norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
         error_if_nonfinite: raise RuntimeError, leaving every gradient unmodified, when the total
@@ -259,6 +275,8 @@ def clip_grad_norm_(
         distinct_along: ``(parameters, group)`` pairs, see :func:`total_grad_norm`.
         dtype: accumulation dtype of the norm, see :func:`total_grad_norm`.
         check: verify the layout across ranks first, see :func:`total_grad_norm`.
+        per_rank: each rank clips its own model's plain gradients alone, see
+            :func:`total_grad_norm`.
 
     Returns:
         The total norm of the gradients (before clipping) as a plain scalar tensor, matching the
@@ -269,13 +287,34 @@ def clip_grad_norm_(
         ValueError: as :func:`total_grad_norm`, or ``max_norm`` is NaN or negative.
         RuntimeError: as :func:`total_grad_norm`.
     """
-    params = _inputs.parameter_list(parameters)
+    params, names = _inputs.parameter_list(parameters)
     _inputs.check_max_norm(max_norm)
     grads = [grad for p in params if (grad := p.grad) is not None]
-    request = _norms.request(grads, norm_type, foreach, pp_group, distinct_along, dtype, check)
+    request = _norms.request(
+        grads,
+        norm_type,
+        foreach,
+        pp_group,
+        distinct_along,
+        dtype,
+        check,
+        "clip_grad_norm_",
+        per_rank=per_rank,
+        label=_parameter_label(params, names),
+    )
     reduced = _total_norm(grads, request, error_if_nonfinite)
     _scale_(reduced, max_norm, foreach)
     return reduced.total
+
+
+def _parameter_label(params: list[Tensor], names: list[str] | None) -> Callable[[int], str]:
+    """Names the parameter of gradient ``index`` (counting the parameters with a gradient)."""
+
+    def label(index: int) -> str:
+        position = [i for i, param in enumerate(params) if param.grad is not None][index]
+        return names[position] if names is not None else f"parameters[{position}]"
+
+    return label
 
 
 def _total_norm(

@@ -43,6 +43,7 @@ def grad_norm_report(
     dtype: torch.dtype | None = None,
     foreach: bool | None = None,
     check: bool | None = None,
+    per_rank: bool = False,
 ) -> dict[str, float]:
     """Gradient norm of each group of parameters and of all of them, for logging.
 
@@ -73,6 +74,7 @@ def grad_norm_report(
         dtype: accumulate the norms in this dtype (e.g. ``torch.float32`` for bf16 gradients).
         foreach: use the foreach kernels; None uses them where the device supports them.
         check: verify the layout across ranks first, as for ``total_grad_norm``.
+        per_rank: report this rank's own plain gradients alone, as for ``total_grad_norm``.
 
     Returns:
         ``{group: norm, ..., "total": norm}`` as Python floats, identical on every rank. The
@@ -104,7 +106,16 @@ def grad_norm_report(
     named = _named_grads(named_parameters)
     grads = [grad for _, grad, _ in named]
     request = _norms.request(
-        grads, order, foreach, pp_group, distinct_along, dtype, check, "grad_norm_report"
+        grads,
+        order,
+        foreach,
+        pp_group,
+        distinct_along,
+        dtype,
+        check,
+        "grad_norm_report",
+        per_rank=per_rank,
+        label=lambda index: named[index][0],
     )
     keys = [_group_name(group_by, name, param) for name, _, param in named]
     names = _report_names(keys, group_by, groups, request.pp_group)

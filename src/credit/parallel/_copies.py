@@ -1,0 +1,337 @@
+"""Proof by value that the ranks the rank maps call copies of a shard hold the same values.
+
+The norm weights each shard by one over its number of copies, read from rank maps
+(``_ownership``). A rank map cannot tell a replica from a rank that holds other values in the same
+place: experts kept per expert-parallel rank, pipeline stages passed without ``pp_group``, ranks
+that train independent models. Averaged as copies, their values would give a wrong norm, the
+same on every rank. So the first call for a layout (and every call in check mode) compares the
+copies by value, in the all_reduce that verifies the layout.
+
+Each rank takes a fingerprint of each local shard ``x`` (in float64): its L2 norm and
+``_PROJECTIONS`` random projections on +-1 patterns. Copies with the same values have the same
+fingerprints. Shards whose values differ by ``d`` (in L2) have projections that differ by about
+``d`` each, whatever their norms: a random projection keeps distances.
+
+One copy of every group of copies is its reference (``_ownership.copy_group``). The member ``i``
+of a group of ``c`` copies sends ``rho * (ref_i - 1 / c) * (f_i, f_i**2)``, ``ref_i`` being 1 on the
+reference and 0 elsewhere, so the sum over the group is ``rho * (f_ref - mean f, f_ref**2 -
+mean f**2)``. Both vanish exactly when the variance of ``f`` over the group is zero: when every
+copy equals the reference. ``rho``, a pseudo-random weight in [1, 2) per shard, keeps groups that
+share a sum (the shards of one gradient, the gradients of one pipeline stage) from cancelling out.
+
+Tolerance: copies pass when their fingerprints agree within ``tau`` times the shard's norm, with
+``tau = max(2**-16, 8 eps)`` of the gradient's dtype (float32 and float64: 1.5e-5; float16:
+7.8e-3; bfloat16: 6.3e-2). Copies reduced by an all_reduce are bit-identical; copies computed
+redundantly (replicas fed the same data) differ by a few roundings per element; ranks that hold
+other values differ by about the size of the values, 1.4 times the norm for independent draws.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from credit.parallel._compat import foreach_norm
+from credit.parallel._foreach import group_indices_by_device_and_dtype
+from credit.parallel._ownership import CopyGroup, Holding
+
+_PERIOD = 1021  # the patterns repeat with this prime period, which no tensor dim is likely to share
+_PROJECTIONS = 4
+_COLUMNS = 1 + _PROJECTIONS  # the norm and the projections
+WIDTH = 4 * _COLUMNS  # the sums per slot (see terms)
+_TOLERANCE = 2.0**-16
+_ROUNDINGS = 8
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How this rank's gradients enter the comparison of copies, fixed per layout.
+
+    Attributes:
+        groups: each gradient's copy group on this rank (None where it holds nothing).
+        compared: the gradients with copies (groups larger than one), the only ones fingerprinted.
+        slots: the sum each compared gradient adds into.
+        slot_count: how many sums, the same on every rank.
+        coefficients: ``rho * (ref - 1 / c)`` per compared gradient.
+        scales: ``rho * (ref + 1 / c) * tau`` per compared gradient: the tolerance it adds.
+    """
+
+    groups: list[CopyGroup | None]
+    compared: list[int]
+    slots: list[int]
+    slot_count: int
+    coefficients: list[float]
+    scales: list[float]
+
+
+def plan(
+    held: list[Holding], groups: list[CopyGroup | None], slot_of: list[int], slot_count: int
+) -> Plan:
+    """The :class:`Plan` of one layout.
+
+    Args:
+        held: what this rank holds of each gradient.
+        groups: each gradient's copy group on this rank.
+        slot_of: the sum each gradient adds into (per gradient within a stage, per stage across
+            pipeline stages).
+        slot_count: the number of sums.
+    """
+    compared = [i for i, group in enumerate(groups) if group is not None and group.size > 1]
+    coefficients, scales = [], []
+    for index in compared:
+        group = groups[index]
+        assert group is not None
+        rho = _pseudo_random(index, *group.key)
+        ref = 1.0 if group.is_reference else 0.0
+        coefficients.append(rho * (ref - 1.0 / group.size))
+        scales.append(rho * (ref + 1.0 / group.size) * tolerance(held[index].dtype))
+    return Plan(
+        groups=groups,
+        compared=compared,
+        slots=[slot_of[i] for i in compared],
+        slot_count=slot_count,
+        coefficients=coefficients,
+        scales=scales,
+    )
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """``tau``: how far copies may differ, relative to the shard's norm (see the module docstring)."""
+    return max(_TOLERANCE, _ROUNDINGS * torch.finfo(dtype).eps)
+
+
+def _pseudo_random(*key: int) -> float:
+    """A number in [1, 2) that depends on ``key`` only, the same in every process."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return 1.0 + int.from_bytes(digest, "little") / 2.0**64
+
+
+def fingerprints(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """Each tensor's L2 norm and projections, in float64 on ``device``: shape (len, _COLUMNS)."""
+    flats = [(torch.view_as_real(t) if t.is_complex() else t).reshape(-1) for t in tensors]
+    prints = torch.zeros(len(flats), _COLUMNS, dtype=torch.float64, device=device)
+    for indices in group_indices_by_device_and_dtype(flats).values():
+        norms = foreach_norm([flats[i] for i in indices], 2.0, torch.float64)
+        prints[indices, 0] = torch.stack(norms).to(device)
+    # Shorter than a period: the projections are the products with the patterns' first rows, for
+    # all such tensors of a device in one padded product.
+    short: dict[torch.device, list[int]] = {}
+    for index, flat in enumerate(flats):
+        if flat.numel() <= _PERIOD:
+            short.setdefault(flat.device, []).append(index)
+        else:
+            prints[index, 1:] = _long_projections(flat)
+    for where, indices in short.items():
+        padded = pad_sequence([flats[i] for i in indices], batch_first=True)
+        products = padded.to(torch.float64) @ _patterns(where)[: padded.shape[1]]
+        prints[indices, 1:] = products.to(device)
+    return prints
+
+
+def _long_projections(flat: Tensor) -> Tensor:
+    """The projections of a tensor longer than a period: its elements at positions congruent
+    modulo ``_PERIOD`` are summed first."""
+    patterns = _patterns(flat.device)
+    whole = flat.numel() - flat.numel() % _PERIOD
+    sums = flat[:whole].view(-1, _PERIOD).sum(0, dtype=torch.float64)
+    tail = flat[whole:].to(torch.float64)
+    return sums @ patterns + tail @ patterns[: tail.numel()]
+
+
+@functools.cache
+def _patterns(device: torch.device) -> Tensor:
+    """The +-1 patterns, one per column, the same in every process."""
+    generator = torch.Generator().manual_seed(0x5EED)
+    signs = torch.randint(0, 2, (_PERIOD, _PROJECTIONS), generator=generator)
+    return (2 * signs - 1).to(torch.float64).to(device)
+
+
+def terms(plan: Plan, local: list[Tensor], device: torch.device) -> tuple[Tensor, bool]:
+    """This rank's addends of the comparison, shape (slot_count, WIDTH), and whether a
+    fingerprint was not finite (then the addends are zeros: NaN and inf cannot be compared).
+
+    Columns: ``sum coefficient * f``, ``sum coefficient * f**2``, and the tolerances of both,
+    ``sum scale * (|x| + |f|)`` and ``sum scale * (|x| + |f|)**2``, ``|x|`` being the norm.
+    """
+    summed = torch.zeros(plan.slot_count, WIDTH, dtype=torch.float64, device=device)
+    if not plan.compared:
+        return summed, False
+    prints = fingerprints([local[i] for i in plan.compared], device)
+    if not bool(torch.isfinite(prints).all()):
+        return summed, True
+    coefficients = torch.tensor(plan.coefficients, dtype=torch.float64, device=device)
+    scales = torch.tensor(plan.scales, dtype=torch.float64, device=device)
+    bound = prints[:, :1] + prints.abs()
+    addends = torch.cat(
+        [
+            coefficients[:, None] * prints,
+            coefficients[:, None] * prints**2,
+            scales[:, None] * bound,
+            scales[:, None] * bound**2,
+        ],
+        dim=1,
+    )
+    slots = torch.tensor(plan.slots, device=device)
+    return summed.index_add_(0, slots, addends), False
+
+
+def agree(summed: Tensor) -> bool:
+    """Whether every sum of :func:`terms`, reduced over the world, is within its tolerance."""
+    first, second, first_bound, second_bound = summed.split(_COLUMNS, dim=1)
+    return bool((first.abs() <= first_bound).all() and (second.abs() <= second_bound).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# a mismatch, described the same way on every rank
+
+
+@dataclass(frozen=True)
+class Record:
+    """What one rank holds of one compared gradient, gathered only to describe a mismatch."""
+
+    stage: int
+    index: int
+    key: tuple[int, ...]
+    is_reference: bool
+    fingerprint: tuple[float, ...]
+    tolerance: float
+    label: str
+
+
+def records(
+    plan: Plan, held: list[Holding], local: list[Tensor], stage: int, label: Callable[[int], str]
+) -> list[Record]:
+    """This rank's :class:`Record` of every compared gradient."""
+    prints = fingerprints([local[i] for i in plan.compared], torch.device("cpu")).tolist()
+    found = []
+    for index, fingerprint in zip(plan.compared, prints, strict=True):
+        group = plan.groups[index]
+        assert group is not None
+        found.append(
+            Record(
+                stage=stage,
+                index=index,
+                key=group.key,
+                is_reference=group.is_reference,
+                fingerprint=tuple(fingerprint),
+                tolerance=tolerance(held[index].dtype),
+                label=f"{label(index)} ({held[index].description})",
+            )
+        )
+    return found
+
+
+def raise_mismatch(mine: list[Record], stage: int, gradients: int, what: str) -> None:
+    """Gather every rank's records and raise the same ValueError on every rank.
+
+    Args:
+        mine: this rank's records.
+        stage: this rank's pipeline stage (0 without stages).
+        gradients: how many gradients this rank passed, compared or not.
+        what: the public function, for the message.
+    """
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dist.get_rank(), mine, stage, gradients))
+    records = {rank: found for rank, found, _, _ in everyone}
+    per_stage = {stage: count for _, _, stage, count in everyone}
+    raise ValueError(describe(records, sum(per_stage.values()), what))
+
+
+@dataclass(frozen=True)
+class _Difference:
+    gradient: tuple[int, int]  # (stage, index)
+    label: str
+    reference: int  # the rank whose copy the others are compared with
+    rank: int
+    relative: float
+
+
+def describe(everyone: dict[int, list[Record]], total: int, what: str) -> str:
+    """The message for copies that differ, the same on every rank.
+
+    Args:
+        everyone: every rank's records.
+        total: how many gradients the stages hold, compared or not.
+        what: the public function, for the message.
+    """
+    groups: dict[tuple, list[tuple[int, Record]]] = {}
+    for rank in sorted(everyone):
+        for record in everyone[rank]:
+            groups.setdefault((record.stage, record.index, record.key), []).append((rank, record))
+    differences = []
+    for members in groups.values():
+        reference_rank, reference = next(
+            ((rank, r) for rank, r in members if r.is_reference), members[0]
+        )
+        for rank, record in members:
+            relative = _relative_difference(record, reference)
+            if relative > record.tolerance:
+                gradient = (record.stage, record.index)
+                differences.append(
+                    _Difference(gradient, reference.label, reference_rank, rank, relative)
+                )
+    compared = {(stage, index) for stage, index, _ in groups}
+    if not differences:
+        return (
+            f"{what}: gradients that the rank maps take for copies of each other hold values that "
+            "differ by about the tolerance of the comparison; averaged, they would give a wrong "
+            f"norm. {_likely_fix(differs_everywhere=False, largest=0.0)} No gradient was modified."
+        )
+    named = min(d.gradient for d in differences)
+    pairs = sorted((d.rank, d.reference) for d in differences if d.gradient == named)
+    shown = ", ".join(f"rank {rank} differs from rank {reference}" for rank, reference in pairs[:4])
+    label = next(d.label for d in differences if d.gradient == named)
+    largest = max(d.relative for d in differences if d.gradient == named)
+    differing = {d.gradient for d in differences}
+    return (
+        f"{what}: {label} holds different values on ranks that the rank maps take for copies "
+        f"of each other: {shown}{', ...' if len(pairs) > 4 else ''} (relative difference up to "
+        f"{largest:.2g}). The norm would average them into a wrong number. {len(differing)} of "
+        f"the {len(compared)} gradients with copies differ ({total} gradients in all). "
+        f"{_likely_fix(len(differing) == total, max(d.relative for d in differences))} "
+        "No gradient was modified."
+    )
+
+
+def _relative_difference(record: Record, reference: Record) -> float:
+    norm = max(record.fingerprint[0], reference.fingerprint[0], math.ulp(0.0))
+    return (
+        max(abs(a - b) for a, b in zip(record.fingerprint, reference.fingerprint, strict=True))
+        / norm
+    )
+
+
+# Below this relative difference, copies look like replicas that drifted apart.
+_DRIFT = 2.0**-6
+
+_AVERAGE = (
+    "if they are replicas not averaged yet (a missing sync_domain_gradients or "
+    "sync_replicated_gradients) or drifted apart, average them first (allreduce_grads_avg over "
+    "the ranks that hold them)"
+)
+_LOCAL = (
+    "if they are rank-local parameters, such as experts held per expert-parallel rank, declare "
+    "them: distinct_along=[(expert_params, ep_group)]"
+)
+_STAGES = "if the ranks hold different pipeline stages, pass pp_group"
+_INDEPENDENT = "if they train models of their own, pass per_rank=True for each rank's own norm"
+
+
+def _likely_fix(differs_everywhere: bool, largest: float) -> str:
+    """The fixes in the order of their likelihood, judged from what differs and by how much."""
+    if 0.0 < largest < _DRIFT:
+        fixes = [_AVERAGE, _LOCAL, _STAGES, _INDEPENDENT]
+    elif differs_everywhere:
+        fixes = [_STAGES, _INDEPENDENT, _AVERAGE, _LOCAL]
+    else:
+        fixes = [_LOCAL, _AVERAGE, _STAGES, _INDEPENDENT]
+    first, *others = fixes
+    return f"Likely fix: {first}. Otherwise: {'; '.join(others)}."
