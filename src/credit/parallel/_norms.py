@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from credit.parallel import _copies, _inputs, _ownership, _partial
+from credit.parallel import _copies, _found_inf, _inputs, _ownership, _partial
 from credit.parallel._compat import foreach_norm, local_tensor
 from credit.parallel._foreach import group_indices_by_device_and_dtype, use_foreach
 from credit.parallel._groups import (
@@ -138,6 +138,9 @@ class Reduced:
         present: under pipeline stages, how many ranks hold gradients of each segment.
         local: each gradient's local tensor, in input order.
         groups: the indices of ``local`` by (device, dtype), in torch's order, with the device.
+        world: whether the total was reduced over the world (not each rank's own).
+        local_norms: this rank's norm of each local tensor (before any reduction), in torch's
+            stacking order, and ``local_inputs`` the input index of each; None without any.
     """
 
     total: Tensor
@@ -146,6 +149,9 @@ class Reduced:
     present: Tensor | None
     local: list[Tensor]
     groups: list[tuple[torch.device, list[int]]]
+    world: bool = False
+    local_norms: Tensor | None = None
+    local_inputs: list[int] | None = None
 
 
 def reduce(
@@ -184,14 +190,23 @@ def reduce(
         )
     layout = _layout(held, local, at, request.distinct)
     result_dtype = request.dtype or layout.grads_dtype
-    if at.count > 1:
-        segments = segment_of if segment_of is not None else [0] * len(grads)
-        return _pipeline(local, layout, request, at, result_dtype, segments, segment_count)
-    if not layout.verified or request.check:  # the same on every rank: they share the layout
+    if at.count == 1 and (not layout.verified or request.check):  # the same on every rank
         _verify(layout, local, request, at)
     if replicas:
         return _local_norms(local, request, _result_dtype(grads, request.dtype))
-    return _single_stage(local, layout, request, result_dtype)
+    # A GradScaler's non-finite flags, answered by this norm (see _found_inf).
+    folded = _found_inf.fold(local)
+    poison = folded.poison if folded is not None else None
+    if at.count == 1:
+        reduced = _single_stage(local, layout, request, result_dtype, poison)
+    else:
+        segments = segment_of if segment_of is not None else [0] * len(grads)
+        reduced = _pipeline(
+            local, layout, request, at, result_dtype, segments, segment_count, poison
+        )
+    if folded is not None and reduced.world:
+        _found_inf.settle(folded, reduced)
+    return reduced
 
 
 def _stages(pp_group: ProcessGroup | None) -> Stages:
@@ -360,7 +375,11 @@ def _layout(
 
 
 def _single_stage(
-    local: list[Tensor], layout: _Layout, request: NormRequest, result_dtype: torch.dtype
+    local: list[Tensor],
+    layout: _Layout,
+    request: NormRequest,
+    result_dtype: torch.dtype,
+    poison: Tensor | None,
 ) -> Reduced:
     device = _collective_device(local)
     completed = _partial.complete(local, layout.held) if layout.has_partial else local
@@ -368,6 +387,9 @@ def _single_stage(
     if stacked is None:  # no gradients on any rank (the layout is shared)
         zero = torch.zeros((), dtype=result_dtype, device=device)
         return Reduced(zero, zero.new_zeros(0), [], None, local, layout.groups)
+    local_norms = stacked
+    if poison is not None:
+        stacked = stacked + poison.to(stacked)
     order = request.order
     if order == math.inf:
         entries = _max_over_ranks(stacked.to(result_dtype))
@@ -385,7 +407,7 @@ def _single_stage(
         dist.all_reduce(powered, op=dist.ReduceOp.SUM)
         entries = powered ** (1.0 / order) if order != 1 else powered
     total = torch.linalg.vector_norm(entries, order).to(result_dtype)
-    return Reduced(total, entries, inputs, None, local, layout.groups)
+    return Reduced(total, entries, inputs, None, local, layout.groups, True, local_norms, inputs)
 
 
 def _max_over_ranks(norms: Tensor) -> Tensor:
@@ -495,16 +517,19 @@ def _pipeline(
     result_dtype: torch.dtype,
     segment_of: list[int],
     segment_count: int,
+    poison: Tensor | None,
 ) -> Reduced:
     device = _collective_device(local)
     order = request.order
     values = torch.zeros(segment_count, dtype=torch.float64, device=device)
     present = torch.zeros_like(values)
     votes = torch.zeros(len(_RESULT_DTYPES), dtype=torch.float64, device=device)
+    normed: tuple[Tensor | None, list[int] | None] = (None, None)
     if local and layout.error is None:  # a broken layout sends zeros beside its flag
         completed = _partial.complete(local, layout.held) if layout.has_partial else local
         stacked, inputs = _stacked_norms(completed, layout.groups, request)
         assert stacked is not None
+        normed = stacked, inputs
         stacked = stacked.to(values)
         segments = torch.tensor([segment_of[i] for i in inputs], device=device)
         present[segments] = 1.0
@@ -514,6 +539,8 @@ def _pipeline(
         else:
             weights = stacked.new_tensor([layout.weights[i] for i in inputs])
             values.index_add_(0, segments, stacked**order * weights)
+    if poison is not None:
+        values += poison.to(values)
     broken = values.new_tensor([float(layout.error is not None)])
     # Stages hold different layouts, seen for the first time on different calls: any stage's
     # first call (or the check mode) makes every rank verify, after this collective.
@@ -548,7 +575,9 @@ def _pipeline(
         result_dtype = (
             functools.reduce(torch.promote_types, voted, voted[0]) if voted else result_dtype
         )
-    return Reduced(total.to(result_dtype), entries, None, present, local, layout.groups)
+    return Reduced(
+        total.to(result_dtype), entries, None, present, local, layout.groups, True, *normed
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,326 @@
+"""A GradScaler whose decision to take or skip a step is the world's, on any mix of meshes.
+
+``torch.amp.GradScaler`` decides per rank whether a step holds a NaN or inf. On DTensor
+gradients, DTensor's handler for the check reduces the flag over the mesh of the first gradient
+of each (device, dtype) group only: with FSDP2 + TP, an inf in one rank's TP shard makes its dp
+peers skip and back off while the other ranks step, and the replicas drift apart for good. Here
+every rank checks its local shards, and the answer is reduced over the world: carried by the
+norm that follows (``clip_grad_norm_`` or ``total_grad_norm`` of this package), which is non-finite
+on every rank as soon as one rank holds a non-finite value, or by one small all_reduce of its own
+at ``step`` when no norm came in between (see ``_found_inf``). Every rank then takes the same
+decision and keeps the same scale.
+
+It is a subclass, as torch's own ShardedGradScaler is: it overrides ``unscale_``, ``step``,
+``update`` and the protected ``_check_inf_per_device`` and ``_maybe_opt_step``, and reads the
+protected state ``_per_optimizer_states``, ``_scale`` and ``_enabled``, all alike on torch 2.10
+to 2.15.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.amp.grad_scaler import OptState
+
+from credit.parallel import _found_inf
+from credit.parallel._compat import local_tensor
+from credit.parallel._foreach import group_by_device_and_dtype
+from credit.parallel._groups import is_distributed
+
+__all__ = ["GradScaler"]
+
+logger = logging.getLogger(__name__)
+
+# The longest list of names one rank sends to the skipped-step report, in bytes.
+_REPORT_BYTES = 512
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Drop-in ``torch.amp.GradScaler`` that takes or skips every step on all ranks together.
+
+    Same constructor and methods as torch's; swap the import. ``found_inf`` is the same on every
+    rank for any mix of meshes (FSDP2, TP, HSDP, plain gradients), pipeline stages and
+    ``distinct_along`` groups, so every rank skips the same steps, keeps the same scale, and
+    replicas stay bit-identical. Where torch's scaler is already right (every gradient on one
+    mesh over the world), the scales, skips and parameters have its bits.
+
+    Per step, with the trainer's usual sequence::
+
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        norm = clip_grad_norm_(model.parameters(), max_norm)  # credit.parallel.collectives
+        scaler.step(optimizer)
+        scaler.update()
+
+    ``unscale_`` checks the local shards and issues no collective; the clip's own all_reduce
+    carries the answer (a NaN or inf in any gradient makes its norm non-finite on every rank);
+    ``step`` and ``update`` issue none: one collective per step. Without a norm between
+    ``unscale_`` and ``step`` (or without ``unscale_``), ``step`` issues one small all_reduce.
+    Fused optimizers (``fused=True``) take the answer on the device, without a host sync, as
+    with torch's scaler.
+
+    With ``scaling=False`` (bf16 or float32 training) nothing is scaled: the scaler only skips
+    steps whose gradients hold a NaN or inf, decided on every rank alike, and counts them. Its
+    check rides on the clip's norm, so it costs no pass over the gradients when a clip follows
+    ``unscale_``.
+
+    On a step skipped by a non-fused optimizer (whose step reads the answer on the host anyway),
+    the scaler logs a warning naming the parameters that held non-finite gradients and the ranks
+    that held them, on the world's rank 0, for the 1st, 2nd, 4th, 8th, ... skipped step (one more
+    all_gather, on those steps only).
+
+    Args:
+        device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as for
+            ``torch.amp.GradScaler``.
+        scaling: scale the loss (fp16). False: no scaling, only the skipping of non-finite
+            steps (bf16, float32).
+        model: the module whose parameters the optimizers update, only to name them in the
+            skipped-step report (without it, parameters are named by their place in the
+            optimizer).
+
+    Attributes:
+        scaling: whether the loss is scaled.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        scaling: bool = True,
+        model: nn.Module | None = None,
+    ) -> None:
+        super().__init__(
+            device,
+            init_scale if scaling else 1.0,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            enabled,
+        )
+        self.scaling = scaling
+        self._pending: dict[int, _found_inf.Pending] = {}  # by optimizer, until answered
+        self._answered: dict[int, _found_inf.Pending] = {}  # by optimizer, until update()
+        self._names = {id(p): name for name, p in model.named_parameters()} if model else {}
+        self._skipped: Tensor | None = None  # steps skipped, on the scale's device
+        self._last_skipped: Tensor | None = None
+        self._reports = 0  # skipped steps seen by a non-fused optimizer's step
+
+    # --- scaling off ---------------------------------------------------------------------------
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply ``outputs`` by the scale factor, as torch's (unchanged with ``scaling=False``)."""
+        if self._enabled and not self.scaling:
+            return outputs
+        return super().scale(outputs)
+
+    def _scale_tracker(self) -> None:
+        """With ``scaling=False`` the loss may never pass through :meth:`scale`."""
+        if self._scale is None and not self.scaling:
+            self._lazy_init_scale_growth_tracker(torch.device(self._device))
+
+    # --- the check, on local shards ------------------------------------------------------------
+
+    @staticmethod
+    def _check_and_unscale(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> Tensor:
+        """Multiply ``grads`` by ``inv_scale`` and return this rank's answer (``found_inf`` set
+        to 1.0 where a gradient holds a NaN or inf), as torch's kernel does, per device."""
+        for (device, _), group in group_by_device_and_dtype(grads).items():
+            found_here = found_inf.to(device, copy=True)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                group, found_here, inv_scale.to(device)
+            )
+            found_inf = torch.maximum(found_inf, found_here.to(found_inf.device))
+        return found_inf
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale factor, as torch's ``unscale_``.
+
+        Checks the local shards for NaN and inf, without a collective: the answer is reduced over
+        the world by the next norm of this package (or by :meth:`step`). With ``scaling=False``
+        nothing is divided and the check itself is left to that norm.
+        """
+        if not self._enabled:
+            return
+        self._scale_tracker()
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        grads = _local_grads(optimizer, allow_fp16=not self.scaling)
+        local = None
+        if self.scaling:
+            # FP32 division can be imprecise for certain compile options: the reciprocal in FP64.
+            inv_scale = scale.double().reciprocal().float()
+            local = self._check_and_unscale(grads, inv_scale, torch.zeros_like(scale))
+        self._pending[id(optimizer)] = _found_inf.expect(grads, scale.device, local)
+        state["found_inf_per_device"] = {scale.device: torch.zeros_like(scale)}
+        state["stage"] = OptState.UNSCALED
+
+    # --- the world's answer --------------------------------------------------------------------
+
+    def _decide(self, optimizer: torch.optim.Optimizer) -> Tensor:
+        """The world's answer for ``optimizer``'s gradients, written where torch's step reads it."""
+        state = self._per_optimizer_states[id(optimizer)]
+        pending = self._pending.pop(id(optimizer), None)
+        if pending is not None:
+            answer = _found_inf.world_answer(pending)
+            state["found_inf_per_device"] = {answer.device: answer}
+            self._answered[id(optimizer)] = pending
+        (answer,) = state["found_inf_per_device"].values()
+        return answer
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """A fused optimizer's step without ``unscale_``: check, then reduce over the world."""
+        self._scale_tracker()
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        grads = _local_grads(optimizer, allow_fp16=True)
+        local = self._check_and_unscale(grads, torch.ones_like(scale), torch.zeros_like(scale))
+        self._pending[id(optimizer)] = _found_inf.expect(grads, scale.device, local)
+        self._decide(optimizer)
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
+        """Unscale if needed, then step ``optimizer`` unless a gradient holds a NaN or inf on any
+        rank; as torch's ``step``, arguments forwarded to ``optimizer.step``.
+
+        Returns:
+            What ``optimizer.step`` returned, or None when the step was skipped.
+        """
+        if self._enabled:
+            self._scale_tracker()
+            if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
+                self._decide(optimizer)
+        return super().step(optimizer, *args, **kwargs)
+
+    def _maybe_opt_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> float | None:
+        if self._decide(optimizer).item():  # the host sync torch's own step makes here
+            self._report_skipped_step(optimizer)
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """Update the scale factor as torch's ``update`` (not with ``scaling=False``), and count
+        the skipped step."""
+        if not self._enabled:
+            return
+        found = [
+            answer
+            for state in self._per_optimizer_states.values()
+            for answer in state["found_inf_per_device"].values()
+        ]
+        if not found:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        skipped = torch.stack([answer.to(found[0].device) for answer in found]).amax() > 0
+        self._last_skipped = skipped
+        self._skipped = skipped.long() if self._skipped is None else self._skipped + skipped
+        for pending in self._pending.values():
+            _found_inf.forget(pending)
+        self._pending.clear()
+        self._answered.clear()
+        if self.scaling:
+            super().update(new_scale)
+        else:
+            self._per_optimizer_states = defaultdict(
+                lambda: {"stage": OptState.READY, "found_inf_per_device": {}}
+            )
+
+    # --- what the trainer may ask --------------------------------------------------------------
+
+    def get_scale(self) -> float:
+        """The current scale, as torch's (1.0 with ``scaling=False``)."""
+        return super().get_scale() if self.scaling else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many steps were skipped so far, the same on every rank (reads the device)."""
+        return 0 if self._skipped is None else int(self._skipped.item())
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the step before the last :meth:`update` was skipped, the same on every rank
+        (reads the device): step an LR scheduler only when it was not."""
+        return self._last_skipped is not None and bool(self._last_skipped.item())
+
+    # --- the report of a skipped step ----------------------------------------------------------
+
+    def _report_skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Log which parameters held non-finite gradients, and where, on rate-limited steps."""
+        self._reports += 1
+        if self._reports & (self._reports - 1):  # the 1st, 2nd, 4th, 8th, ... only
+            return
+        mine = ", ".join(self._nonfinite_names(optimizer))
+        everyone = _gather_text(mine)
+        if is_distributed() and dist.get_rank() != 0:
+            return
+        held = [f"rank {rank}: {text}" for rank, text in enumerate(everyone) if text]
+        logger.warning(
+            "GradScaler skipped a step (the %s skipped so far): non-finite gradients in %s",
+            _ordinal(self._reports),
+            "; ".join(held) or "no gradient this scaler checks (another optimizer's)",
+        )
+
+    def _nonfinite_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """The parameters whose gradients hold a NaN or inf on this rank."""
+        named = []
+        for group_index, group in enumerate(optimizer.param_groups):
+            for index, param in enumerate(group["params"]):
+                if param.grad is not None:
+                    default = f"param_groups[{group_index}][{index}] shape={tuple(param.shape)}"
+                    named.append(self._names.get(id(param), default))
+        flags = _found_inf.nonfinite(self._answered[id(optimizer)])
+        return [name for name, flag in zip(named, flags, strict=True) if flag]
+
+
+def _local_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[Tensor]:
+    """The gradients of ``optimizer``'s parameters, DTensors' as their local shards."""
+    grads = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            grad = local_tensor(param.grad)
+            if not allow_fp16 and grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            grads.append(grad._values() if grad.is_sparse else grad)
+    return grads
+
+
+def _gather_text(text: str) -> list[str]:
+    """Every rank's ``text`` (truncated to _REPORT_BYTES), in one all_gather."""
+    if not (is_distributed() and dist.get_world_size() > 1):
+        return [text]
+    encoded = list(text.encode()[:_REPORT_BYTES])
+    mine = torch.zeros(_REPORT_BYTES, dtype=torch.uint8)
+    mine[: len(encoded)] = torch.tensor(encoded, dtype=torch.uint8)
+    if str(dist.get_backend()) == "nccl":
+        mine = mine.cuda()
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
+
+
+def _ordinal(number: int) -> str:
+    suffix = (
+        "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    )
+    return f"{number}{suffix}"
