@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
 
 # Averaging: 30 replicated grads of 100 fp32 (400 bytes) in buckets of 1000 bytes (250 floats)
@@ -61,6 +62,22 @@ def mixed_grads(world_mesh: DeviceMesh, blocks: int = 20, width: int = 16) -> li
             grads.append(DTensor.from_local(local, world_mesh, placements, run_check=False))
         grads.append(torch.randn(width, generator=generator).to(device))  # plain, replicated
     return grads
+
+
+def _amp_step(params: list[nn.Parameter]) -> Callable[[], None]:
+    """The trainer's AMP sequence on ``params``: unscale_, clip_grad_norm_, step, update."""
+    # The per-tensor loop: torch's foreach AdamW refuses plain tensors beside DTensors.
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    scaler = GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+
+    def step() -> None:
+        scaler.unscale_(optimizer)
+        clip_grad_norm_(params, 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+
+    return step
 
 
 def count_collectives(call: Callable[[], object]) -> int:
@@ -116,6 +133,7 @@ def counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
             allreduce_grads_avg(replicated, world_mesh["tp"], bucket_cap_mb=cap_mb)
 
         pipeline_first, pipeline_later = _count_with_pipeline(dp, tp)
+        amp_step = _amp_step(params)
         return {
             # A control that the counting sees DTensor's own collectives: torch's norm of the
             # 2D-mesh grads alone redistributes with one all_reduce per mesh dim.
@@ -130,6 +148,9 @@ def counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
             "total_grad_norm, unflattened world": count(lambda: total_grad_norm(unflattened)),
             "total_grad_norm p=inf": count(lambda: total_grad_norm(grads, math.inf)),
             "clip_grad_norm_": count(lambda: clip_grad_norm_(params, 1.0)),
+            # The clip's all_reduce carries the GradScaler's answer: nothing else is issued
+            # (the clip above verified the layout).
+            "AMP step (unscale_, clip, step, update)": count(amp_step),
             # Under pp_group: the norm, then the verification, and once per pp group the
             # stages' lowest ranks.
             "first call with pp_group": pipeline_first,

@@ -66,6 +66,7 @@ def test_first_call_with_pp_group_at_1024_ranks(counts, rank):
         "total_grad_norm p=inf",
         "clip_grad_norm_",
         "total_grad_norm with pp_group",
+        "AMP step (unscale_, clip, step, update)",
     ],
 )
 def test_one_collective_per_norm_on_mixed_meshes_at_1024_ranks(counts, call, rank):

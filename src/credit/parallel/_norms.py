@@ -10,11 +10,16 @@ The one norm pipeline, behind ``total_grad_norm``, ``clip_grad_norm_`` and ``gra
 3. Within a single stage every rank holds the same gradients, so the all_reduce completes the vector
    of per-gradient p-th powers (MAX for inf) and the norm of that vector is the total: torch's
    operations in torch's order, so a layout without copies (FSDP2 over the whole world) gives
-   torch's bits. The first call for a layout verifies its copy counts with one small integer
-   all_reduce, and so does every call in check mode.
+   torch's bits.
 4. Pipeline stages hold different gradients, so each rank sends one float64 number per segment
    (the whole norm, or one per report group), the self-check's terms beside them, in the same
    all_reduce.
+
+5. The first call for a layout (and every call in check mode) also proves it, in one more
+   all_reduce: the self-check of the copy counts and the comparison of the copies' values
+   (``_copies``). Under pipeline stages it follows the norm's all_reduce, which tells every rank
+   whether any stage meets its layout for the first time.
+6. A GradScaler's pending non-finite flags are answered by the norm's all_reduce (``_found_inf``).
 
 Every rank issues the same collectives, decided by the world, ``pp_group`` and the layout that all
 ranks of a stage share, never by what one rank happens to hold.
