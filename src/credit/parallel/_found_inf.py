@@ -74,12 +74,18 @@ def local_answer(pending: Pending) -> Tensor:
 
 def check(grads: list[Tensor], device: torch.device) -> Tensor:
     """1.0 when a NaN or inf is in ``grads``, else 0.0: a float32 scalar on ``device``."""
-    found = torch.zeros((), dtype=torch.float32, device=device)
-    for (where, _), group in group_by_device_and_dtype(grads).items():
-        found_here = torch.zeros((), dtype=torch.float32, device=where)
-        one = torch.ones((), dtype=torch.float32, device=where)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, one)
-        found = torch.maximum(found, found_here.to(device))
+    return check_and_unscale(grads, torch.ones((), dtype=torch.float32, device=device))
+
+
+def check_and_unscale(grads: list[Tensor], inv_scale: Tensor) -> Tensor:
+    """Multiply ``grads`` by ``inv_scale`` in place with torch's AMP kernel, per (device, dtype),
+    and return this rank's answer: 1.0 when a NaN or inf is in ``grads``, else 0.0, a float32
+    scalar on ``inv_scale``'s device."""
+    found = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+    for (device, _), group in group_by_device_and_dtype(grads).items():
+        found_here = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, inv_scale.to(device))
+        found = torch.maximum(found, found_here.to(found.device))
     return found
 
 

@@ -14,7 +14,6 @@ The one norm pipeline, behind ``total_grad_norm``, ``clip_grad_norm_`` and ``gra
 4. Pipeline stages hold different gradients, so each rank sends one float64 number per segment
    (the whole norm, or one per report group), the self-check's terms beside them, in the same
    all_reduce.
-
 5. The first call for a layout (and every call in check mode) also proves it, in one more
    all_reduce: the self-check of the copy counts and the comparison of the copies' values
    (``_copies``). Under pipeline stages it follows the norm's all_reduce, which tells every rank

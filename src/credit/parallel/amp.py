@@ -29,7 +29,6 @@ from torch.amp.grad_scaler import OptState
 
 from credit.parallel import _found_inf
 from credit.parallel._compat import local_tensor
-from credit.parallel._foreach import group_by_device_and_dtype
 from credit.parallel._groups import is_distributed
 
 __all__ = ["GradScaler"]
@@ -128,20 +127,6 @@ class GradScaler(torch.amp.GradScaler):
         if self._scale is None and not self.scaling:
             self._lazy_init_scale_growth_tracker(torch.device(self._device))
 
-    # --- the check, on local shards ------------------------------------------------------------
-
-    @staticmethod
-    def _check_and_unscale(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> Tensor:
-        """Multiply ``grads`` by ``inv_scale`` and return this rank's answer (``found_inf`` set
-        to 1.0 where a gradient holds a NaN or inf), as torch's kernel does, per device."""
-        for (device, _), group in group_by_device_and_dtype(grads).items():
-            found_here = found_inf.to(device, copy=True)
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                group, found_here, inv_scale.to(device)
-            )
-            found_inf = torch.maximum(found_inf, found_here.to(found_inf.device))
-        return found_inf
-
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale factor, as torch's ``unscale_``.
 
@@ -164,8 +149,7 @@ class GradScaler(torch.amp.GradScaler):
         local = None
         if self.scaling:
             # FP32 division can be imprecise for certain compile options: the reciprocal in FP64.
-            inv_scale = scale.double().reciprocal().float()
-            local = self._check_and_unscale(grads, inv_scale, torch.zeros_like(scale))
+            local = _found_inf.check_and_unscale(grads, scale.double().reciprocal().float())
         self._pending[id(optimizer)] = _found_inf.expect(grads, scale.device, local)
         state["found_inf_per_device"] = {scale.device: torch.zeros_like(scale)}
         state["stage"] = OptState.UNSCALED
@@ -188,7 +172,7 @@ class GradScaler(torch.amp.GradScaler):
         self._scale_tracker()
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         grads = _local_grads(optimizer, allow_fp16=True)
-        local = self._check_and_unscale(grads, torch.ones_like(scale), torch.zeros_like(scale))
+        local = _found_inf.check(grads, scale.device)
         self._pending[id(optimizer)] = _found_inf.expect(grads, scale.device, local)
         self._decide(optimizer)
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
@@ -223,16 +207,19 @@ class GradScaler(torch.amp.GradScaler):
         the skipped step."""
         if not self._enabled:
             return
+        if new_scale is not None and not self.scaling:
+            raise ValueError("a GradScaler with scaling=False keeps its scale at 1.0")
         found = [
             answer
             for state in self._per_optimizer_states.values()
             for answer in state["found_inf_per_device"].values()
         ]
-        if not found:
+        if found:
+            skipped = torch.stack([answer.to(found[0].device) for answer in found]).amax() > 0
+            self._last_skipped = skipped
+            self._skipped = skipped.long() if self._skipped is None else self._skipped + skipped
+        elif new_scale is None:
             raise AssertionError("No inf checks were recorded prior to update.")
-        skipped = torch.stack([answer.to(found[0].device) for answer in found]).amax() > 0
-        self._last_skipped = skipped
-        self._skipped = skipped.long() if self._skipped is None else self._skipped + skipped
         for pending in self._pending.values():
             _found_inf.forget(pending)
         self._pending.clear()
