@@ -181,6 +181,23 @@ IN_BACKWARD_STEP = Way(
 )
 FORWARD_ALONE = Way("forward_alone", "the forward alone", lambda w: w.steps["forward"])
 
+OURS_AMP = Way("amp_ours", "ours (GradScaler + clip_grad_norm_)", lambda w: w.steps["ours"])
+TORCH_AMP = Way(
+    "amp_torch",
+    "torch.amp.GradScaler + torch.nn.utils.clip_grad_norm_",
+    lambda w: w.steps["torch"],
+)
+SHARDED_AMP = Way(
+    "amp_sharded",
+    "ShardedGradScaler + torch.nn.utils.clip_grad_norm_",
+    lambda w: w.steps["sharded"],
+)
+NO_SCALER = Way(
+    "amp_no_scaler",
+    "no scaler: torch.nn.utils.clip_grad_norm_ and the step",
+    lambda w: w.steps["no_scaler"],
+)
+
 SCALING_SIZES = (500, 2000, 8000)
 
 CASES: tuple[Case, ...] = (
@@ -271,6 +288,18 @@ CASES: tuple[Case, ...] = (
             Ratio(IN_BACKWARD_STEP, EXPLICIT_STEP, paired=True),
         ),
         even_world=True,
+    ),
+    Case(
+        "amp",
+        "AMP step",
+        workloads.amp,
+        (OURS_AMP, TORCH_AMP, SHARDED_AMP, NO_SCALER),
+        ratios=(
+            Ratio(OURS_AMP, TORCH_AMP, 1.0, goal="no slower than torch"),
+            Ratio(OURS_AMP, SHARDED_AMP, 1.0, goal="no slower than torch"),
+            Ratio(OURS_AMP, NO_SCALER),
+        ),
+        counts=(Count(OURS_AMP, 1), Count(TORCH_AMP, None), Count(SHARDED_AMP, None)),
     ),
     Case(
         "setup",

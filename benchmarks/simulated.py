@@ -23,6 +23,11 @@ CALLS = (
     ("clip_grad_norm_", "clip_grad_norm_", 1),
     ("total_grad_norm with pp_group", "total_grad_norm with pp_group (2 stages)", 1),
     (
+        "AMP step (unscale_, clip, step, update)",
+        "GradScaler's unscale_ + clip_grad_norm_ + step + update",
+        1,
+    ),
+    (
         "allreduce_grads_avg, first call for a layout",
         "allreduce_grads_avg over tp, 1000-byte buckets, first call for a layout",
         EXPECTED_BUCKETS + 1,

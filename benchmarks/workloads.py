@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import baselines
 import checks
 import layouts
 import torch
@@ -23,11 +24,13 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from credit.parallel._compat import local_tensor
-from credit.parallel.collectives import contiguous_grads_, total_grad_norm
+from credit.parallel.amp import GradScaler
+from credit.parallel.collectives import clip_grad_norm_, contiguous_grads_, total_grad_norm
 from credit.parallel.grad_sync import sync_domain_gradients, sync_domain_gradients_in_backward
 
 # The layouts' model for the FSDP2 cases: 40 blocks of 10 grads, plus 4 outside them.
@@ -279,6 +282,72 @@ def setup(ctx: Context) -> Workload:
         fresh=iter(sets[1:]),
     )
 
+
+# The AMP step's scalers and clips, by variant: this package's, torch's, torch's sharded one, and
+# torch's clip and the optimizer step with no scaler at all.
+AMP_VARIANTS: dict[str, tuple[Callable[..., object] | None, Callable[..., object]]] = {
+    "ours": (GradScaler, clip_grad_norm_),
+    "torch": (torch.amp.GradScaler, baselines.torch_clip),
+    "sharded": (ShardedGradScaler, baselines.torch_clip),
+    "no_scaler": (None, baselines.torch_clip),
+}
+
+
+def amp(ctx: Context) -> Workload:
+    """The AMP step (unscale_, clip, step, update) on FSDP2 over every rank: one mesh, where
+    torch's scaler is right. Each variant trains its own copy of the model, from the same
+    weights and gradients, with foreach AdamW.
+
+    The scale stays at 1.0 (init_scale 1, no growth) and max_norm lies above the norm, so the
+    gradients are the same before every call, while every kernel still runs: the unscale and the
+    clip multiply whatever the factor.
+    """
+    # The sharded scaler hands DTensor ops a 1-element found_inf, which DTensor warns about.
+    warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+    steps, grads = {}, []
+    for key, (scaler_type, clip) in AMP_VARIANTS.items():
+        model = layouts.build("fsdp", 8, **MODEL, device=ctx.device.type).model
+        params = _with_grads(model)
+        optimizer = torch.optim.AdamW(params, lr=1e-6, foreach=True)
+        scaler = None
+        if scaler_type is not None:
+            scaler = scaler_type(ctx.device.type, init_scale=1.0, growth_interval=10**9)
+            scaler.scale(torch.ones((), device=ctx.device))  # the scale's lazy start
+        steps[key] = _amp_step(scaler, optimizer, clip, params)
+        grads = _grads(params)
+    return Workload(
+        f"AMP step: unscale_ + clip + step + update, foreach AdamW, {len(grads)} FSDP2 grads "
+        f"(dp={ctx.world})",
+        grads,
+        steps=steps,
+        notes=[
+            "torch's scaler reduces found_inf over the first gradient's mesh inside unscale_ "
+            "(one collective, then a host sync in step); the sharded one over the default "
+            "group; ours lets the clip's all_reduce carry it"
+        ],
+    )
+
+
+def _amp_step(
+    scaler: torch.amp.GradScaler | None,
+    optimizer: torch.optim.Optimizer,
+    clip: Callable[..., object],
+    params: list[Tensor],
+) -> Callable[[], None]:
+    def step() -> None:
+        if scaler is None:
+            clip(params, AMP_MAX_NORM)
+            optimizer.step()
+            return
+        scaler.unscale_(optimizer)
+        clip(params, AMP_MAX_NORM)
+        scaler.step(optimizer)
+        scaler.update()
+
+    return step
+
+
+AMP_MAX_NORM = 1e30  # above any norm here: the clip multiplies by 1
 
 # The in-backward case: 16 blocks, each an FSDP2 unit, and the root: 17 units.
 DEEP_MODEL = {"blocks": 16, "dim": 128, "hidden": 512}

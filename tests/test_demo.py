@@ -198,6 +198,51 @@ def test_the_check_catches_a_missing_domain_sync(mode: str, function: str) -> No
     assert not _verdicts(result.stdout), "the run went on"
 
 
+# With loss scaling the table has two more columns: the scale after the step, and whether it was
+# skipped.
+SCALED_ROW = re.compile(r"^\s*(\d+)" + r"\s+(\S+)" * 6 + r"\s+(\S+)\s+(yes|no)\s*$")
+
+
+def _scaled_rows(stdout: str) -> list[tuple[int, float, float, float, bool]]:
+    """(step, grad norm, replica's grad norm, scale, skipped) of each line of the table."""
+    rows = []
+    for line in stdout.splitlines():
+        match = SCALED_ROW.match(line)
+        if match:
+            step, _, _, _, norm, ref_norm, _, scale, skipped = match.groups()
+            rows.append((int(step), float(norm), float(ref_norm), float(scale), skipped == "yes"))
+    return rows
+
+
+def test_fp16_scaling_skips_the_planted_step_on_every_rank_where_torch_diverges() -> None:
+    """An inf in rank 3's TP shard at step 3: every rank and the replica skip it and back off
+    (1024, 2048 after two clean steps, 1024); torch's own scaler on the same layout does not."""
+    result = _run(_demo_command(["--amp", "fp16", "--steps", "5"]))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = _scaled_rows(result.stdout)
+    assert [row[0] for row in rows] == [1, 2, 3, 4, 5]
+    assert [row[3] for row in rows] == [1024, 2048, 1024, 1024, 2048]
+    assert [row[4] for row in rows] == [False, False, True, False, False]
+    assert str(rows[2][1]) == str(rows[2][2]) == "inf"  # the skipped step's norms
+    assert (
+        "torch.amp.GradScaler on this layout: ranks 1, 3 skipped step 3, ranks 0, 2 stepped: "
+        "the replicas diverged"
+    ) in result.stdout
+    (verdict,) = _verdicts(result.stdout)
+    assert verdict.startswith("PASS:") and "every rank skipped step(s) 3, as the replica" in verdict
+    # The skipped step's report names the culprit (a warning, on rank 0's stderr).
+    assert "non-finite gradients in rank 3: blocks.0.attn.q.weight" in result.stderr
+
+
+def test_bf16_skips_the_planted_step_without_scaling() -> None:
+    result = _run(_demo_command(["--amp", "bf16", "--steps", "4", "--nonfinite-step", "2"]))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = _scaled_rows(result.stdout)
+    assert [row[3] for row in rows] == [1.0] * 4
+    assert [row[4] for row in rows] == [False, True, False, False]
+    assert "PASS:" in result.stdout
+
+
 def test_bad_option_exits_2_before_launching() -> None:
     result = _run(_demo_command(["--steps", "0"]))
     assert result.returncode == 2
@@ -216,6 +261,10 @@ def test_bad_option_exits_2_before_launching() -> None:
         (["--domain", "17"], "--domain 17: more latitude bands than the grid's 16 rows"),
         (["--start-method", "thread"], "argument --start-method: invalid choice: 'thread'"),
         (["--domain-sync", "later"], "argument --domain-sync: invalid choice: 'later'"),
+        (["--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
+        (["--amp", "fp16", "--nonfinite-step", "0"], "must be a positive integer, got 0"),
+        (["--amp", "fp16", "--nonfinite-step", "11"], "--nonfinite-step 11 is past the last step"),
+        (["--nonfinite-step", "2"], "--nonfinite-step needs --amp fp16 or --amp bf16"),
     ],
 )
 def test_bad_options_fail_fast_with_a_clear_message(

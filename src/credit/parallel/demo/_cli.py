@@ -16,6 +16,10 @@ DOMAIN_SYNCS = ("in-backward", "explicit")
 # In backward: the same bits as explicit, and nothing left to run after backward.
 DEFAULT_DOMAIN_SYNC = "in-backward"
 OPTIMIZERS = ("adamw", "sgd")
+# Loss scaling: off, fp16 (scaled by credit.parallel.amp.GradScaler), bf16 (not scaled; the
+# scaler only skips non-finite steps). The model computes in float32 either way.
+AMP_MODES = ("off", "fp16", "bf16")
+DEFAULT_NONFINITE_STEP = 3  # with --amp: the step at which one rank's gradient gets an inf
 START_METHODS = ("fork", "forkserver", "spawn")
 DEFAULT_DP, DEFAULT_TP = 2, 2
 # float32 rounding differs between the sharded run and the replica (TP splits the projections'
@@ -48,6 +52,8 @@ class Options:
     start_method: str
     in_place: bool  # started by torchrun: run as this rank, launch nothing
     model: ModelConfig = field(default_factory=ModelConfig)
+    amp: str = "off"
+    nonfinite_step: int | None = None  # the step (from 1) at which one rank plants an inf
 
     @property
     def world(self) -> int:
@@ -169,6 +175,22 @@ def _add_training(group: argparse._ArgumentGroup) -> None:
         default=DEFAULT_RTOL,
         help=f"largest relative difference from the replica that passes. Default: {DEFAULT_RTOL:.0e}",
     )
+    group.add_argument(
+        "--amp",
+        choices=AMP_MODES,
+        default="off",
+        help="loss scaling with credit.parallel.amp.GradScaler: fp16 scales the loss; bf16 only "
+        "skips non-finite steps (the model computes in float32 either way, so the replica "
+        "stays comparable). Default: off",
+    )
+    group.add_argument(
+        "--nonfinite-step",
+        type=_positive_int,
+        metavar="N",
+        help="with --amp: the step at which the last rank plants an inf in its shard of a "
+        f"gradient, which every rank must skip. Default: {DEFAULT_NONFINITE_STEP}, or the last "
+        "step if there are fewer",
+    )
 
 
 def _add_launch(group: argparse._ArgumentGroup) -> None:
@@ -189,6 +211,8 @@ def _resolve(args: argparse.Namespace, in_place: bool) -> Options:
         "fork" if args.backend == "gloo" and sys.platform.startswith("linux") else "spawn"
     )
     return Options(
+        amp=args.amp,
+        nonfinite_step=_nonfinite_step(args),
         dp=dp,
         tp=args.tp,
         domain=args.domain,
@@ -206,6 +230,17 @@ def _resolve(args: argparse.Namespace, in_place: bool) -> Options:
         in_place=in_place,
         model=model,
     )
+
+
+def _nonfinite_step(args: argparse.Namespace) -> int | None:
+    if args.amp == "off":
+        if args.nonfinite_step is not None:
+            raise ValueError("--nonfinite-step needs --amp fp16 or --amp bf16")
+        return None
+    step = args.nonfinite_step or min(DEFAULT_NONFINITE_STEP, args.steps)
+    if step > args.steps:
+        raise ValueError(f"--nonfinite-step {step} is past the last step ({args.steps})")
+    return step
 
 
 def _check_model_fit(tp: int, domain: int, model: ModelConfig) -> None:

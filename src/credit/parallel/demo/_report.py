@@ -8,11 +8,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from credit.parallel.demo._cli import Options
-    from credit.parallel.demo._train import History
+    from credit.parallel.demo._history import History
 
 MESSAGE_WIDTH = 90
 COLUMNS = ("step", "loss", "loss (1 proc)", "rel diff", "grad norm", "norm (1 proc)", "rel diff")
 WIDTHS = (4, 12, 13, 8, 12, 13, 8)
+# With loss scaling: the scale after the step, and whether every rank skipped it.
+SCALER_COLUMNS = ("scale", "skipped")
+SCALER_WIDTHS = (7, 7)
 
 
 def say(text: str) -> None:
@@ -43,6 +46,23 @@ def ready(options: Options, parameters: int, started: float) -> None:
         f"training: {plural(options.steps, 'step')} of {plural(options.accum, 'micro-step')}, "
         f"{options.optimizer} lr {options.lr:g}, clip at {options.max_norm:g}; "
         "replica: 1 process on rank 0"
+    )
+    if options.amp != "off":
+        say(f"loss scaling: {_scaling_description(options)}")
+
+
+def _scaling_description(options: Options) -> str:
+    from credit.parallel.demo._amp import GROWTH_INTERVAL, INIT_SCALE
+
+    planted = f"an inf planted on rank {options.world - 1} at step {options.nonfinite_step}"
+    if options.amp == "bf16":
+        return (
+            "bf16 mode, credit.parallel.amp.GradScaler(scaling=False) skips non-finite steps; "
+            f"{planted}; replica: skips a non-finite step"
+        )
+    return (
+        f"fp16 mode, credit.parallel.amp.GradScaler from {INIT_SCALE:g}, doubling every "
+        f"{GROWTH_INTERVAL} clean steps; {planted}; replica: torch.amp.GradScaler"
     )
 
 
@@ -82,15 +102,18 @@ def shorten(message: str, width: int = MESSAGE_WIDTH) -> str:
     return sentence[: width - 3].rstrip() + "..."
 
 
-def header() -> None:
-    say("  ".join(name.rjust(width) for name, width in zip(COLUMNS, WIDTHS, strict=True)))
+def header(options: Options) -> None:
+    scaled = options.amp != "off"
+    columns = COLUMNS + SCALER_COLUMNS * scaled
+    widths = WIDTHS + SCALER_WIDTHS * scaled
+    say("  ".join(name.rjust(width) for name, width in zip(columns, widths, strict=True)))
 
 
 def row(step: int, run: History, replica: History) -> None:
     """The table line of ``step`` (counted from 1)."""
     loss, ref_loss = run.loss[step - 1], replica.loss[step - 1]
     norm, ref_norm = run.norm[step - 1], replica.norm[step - 1]
-    cells = (
+    cells: tuple[str, ...] = (
         str(step),
         f"{loss:.8g}",
         f"{ref_loss:.8g}",
@@ -99,14 +122,38 @@ def row(step: int, run: History, replica: History) -> None:
         f"{ref_norm:.8g}",
         f"{relative(norm, ref_norm):.1e}",
     )
-    say("  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS, strict=True)))
+    widths: tuple[int, ...] = WIDTHS
+    if run.scale:
+        cells += (f"{run.scale[step - 1]:g}", "yes" if run.skipped[step - 1] else "no")
+        widths += SCALER_WIDTHS
+    say("  ".join(cell.rjust(width) for cell, width in zip(cells, widths, strict=True)))
 
 
 def relative(value: float, reference: float) -> float:
-    """|value - reference| / |reference| (inf when either is not finite)."""
+    """|value - reference| / |reference|: 0 when both are the same non-finite value (a skipped
+    step's norm), inf when only one is not finite."""
     if not (math.isfinite(value) and math.isfinite(reference)):
-        return math.inf
+        same = value == reference or (math.isnan(value) and math.isnan(reference))
+        return 0.0 if same else math.inf
     return abs(value - reference) / max(abs(reference), 1e-30)
+
+
+def torch_scaler(step: int, skipped: list[bool]) -> None:
+    """How torch's own GradScaler decides the planted step on this layout, in one line."""
+    skipping = [rank for rank, flag in enumerate(skipped) if flag]
+    stepping = [rank for rank, flag in enumerate(skipped) if not flag]
+    prefix = "torch.amp.GradScaler on this layout:"
+    if not stepping:
+        say(f"{prefix} every rank skipped step {step}")
+        return
+    say(
+        f"{prefix} {_ranks(skipping)} skipped step {step}, {_ranks(stepping)} stepped: "
+        "the replicas diverged"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks)) or 'none'}"
 
 
 def verdict(
@@ -117,25 +164,36 @@ def verdict(
     same_bits: bool,
     started: float,
 ) -> bool:
-    """Print the one-line verdict; return whether the run matches the replica."""
+    """Print the one-line verdict; return whether the run matches the replica.
+
+    With loss scaling, the run must also skip the steps the replica skips, with its scales.
+    """
     loss = max(map(relative, run.loss, replica.loss))
     norm = max(map(relative, run.norm, replica.norm))
     worst = max(loss, norm, weights)
-    passed = worst <= options.rtol and same_bits
+    scaler_agrees = run.skipped == replica.skipped and run.scale == replica.scale
+    passed = worst <= options.rtol and same_bits and scaler_agrees
     figures = (
         f"max relative difference {loss:.1e} (loss), {norm:.1e} (grad norm), "
         f"{weights:.1e} (weights) over {plural(options.steps, 'step')}, "
         f"tolerance {options.rtol:.0e}"
     )
     elapsed = f"{time.perf_counter() - started:.1f} s"
+    skips = ""
+    if run.skipped:
+        skipped = [step for step, flag in enumerate(run.skipped, 1) if flag]
+        skips = (
+            f"; every rank skipped step(s) {', '.join(map(str, skipped)) or 'none'}, as the replica"
+        )
     if passed:
         say(
             f"PASS: the {options.world}-rank run matches the single-process replica: {figures}; "
-            f"all ranks hold the same bits; {elapsed}"
+            f"all ranks hold the same bits{skips}; {elapsed}"
         )
     else:
         reasons = [] if worst <= options.rtol else ["beyond the tolerance"]
         reasons += [] if same_bits else ["ranks disagree on the loss or grad norm bits"]
+        reasons += [] if scaler_agrees else ["the skipped steps or scales differ"]
         say(
             f"FAIL: the {options.world}-rank run departs from the single-process replica "
             f"({', '.join(reasons)}): {figures}; {elapsed}"

@@ -11,7 +11,6 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -22,8 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from credit.parallel._launch import init_process_group
 from credit.parallel.collectives import all_reduce_avg, clip_grad_norm_
-from credit.parallel.demo import _report
+from credit.parallel.demo import _amp, _report
 from credit.parallel.demo._cli import Options
+from credit.parallel.demo._history import History
 from credit.parallel.demo._model import (
     TinyWeatherModel,
     band,
@@ -42,18 +42,6 @@ from credit.parallel.parallel_mesh import ParallelMesh, build_device_mesh
 logger = logging.getLogger(__name__)
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
-
-
-@dataclass
-class History:
-    """Per-step loss and pre-clip gradient norm of a run."""
-
-    loss: list[float] = field(default_factory=list)
-    norm: list[float] = field(default_factory=list)
-
-    def record(self, loss: float, norm: float) -> None:
-        self.loss.append(loss)
-        self.norm.append(norm)
 
 
 EXIT_PASS, EXIT_DEPARTS, EXIT_ERROR, EXIT_PEER_FAILED = 0, 1, 3, 4
@@ -134,17 +122,21 @@ def _train_and_compare(
     # The replica starts from the very weights the parallel model is sharded from.
     replica = _Replica(copy.deepcopy(model), options, device) if dist.get_rank() == 0 else None
     parallelize(model, mesh.tp, mesh.dp)
-    run = _ParallelRun(model, mesh, options, device)
+    run = _ParallelRun(model, mesh, options, device, _amp.for_parallel_run(options, model, device))
     if replica is not None:
         _report.ready(options, sum(p.numel() for p in replica.model.parameters()), started)
     for step in range(1, options.steps + 1):
         torch_clip = run.step(step)
         if replica is not None:
-            replica.step(step)
+            replica.step(step, run.planted)
             if step == 1:
                 _report.torch_clip(torch_clip)
-                _report.header()
+                _report.header(options)
             _report.row(step, run.history, replica.history)
+    if options.nonfinite_step is not None:
+        skips = _torch_scaler_skips(options, mesh, device)
+        if replica is not None:
+            _report.torch_scaler(options.nonfinite_step, skips)
     weights = _weights_difference(run.model, replica)
     same_bits = _same_bits_everywhere(run.history)
     passed = replica is not None and _report.verdict(
@@ -155,13 +147,39 @@ def _train_and_compare(
     return bool(flag.item())
 
 
+def _torch_scaler_skips(options: Options, mesh: ParallelMesh, device: torch.device) -> list[bool]:
+    """Train a second copy of the parallel model with torch's own GradScaler up to the planted
+    step; whether each rank skipped that step (gathered on every rank)."""
+    torch.manual_seed(options.seed)
+    model = TinyWeatherModel(options.model).to(device)
+    parallelize(model, mesh.tp, mesh.dp)
+    run = _ParallelRun(model, mesh, options, device, _amp.for_contrast(options, device))
+    run.probe_torch_clip = False
+    assert options.nonfinite_step is not None
+    for step in range(1, options.nonfinite_step + 1):
+        run.step(step)
+    skipped = torch.tensor([float(run.history.skipped[-1])], device=device)
+    everyone = [torch.empty_like(skipped) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, skipped)
+    return [bool(flag.item()) for flag in everyone]
+
+
 class _ParallelRun:
     """The trainer loop on this rank's share of the data, model and latitude bands."""
 
     def __init__(
-        self, model: nn.Module, mesh: ParallelMesh, options: Options, device: torch.device
+        self,
+        model: nn.Module,
+        mesh: ParallelMesh,
+        options: Options,
+        device: torch.device,
+        scaler: _amp.StepScaler,
     ) -> None:
         self.model, self.mesh, self.options, self.device = model, mesh, options, device
+        self.scaler = scaler
+        self.probe_torch_clip = True  # try torch's own clip at step 1, for the report
+        # The inf of --nonfinite-step goes on the last rank, in a parameter every rank can name.
+        self.planted = _amp.planted_parameter(model)
         if not isinstance(model, FSDPModule):
             raise TypeError("the model must be wrapped by fully_shard")
         self.fsdp: FSDPModule = model
@@ -187,32 +205,40 @@ class _ParallelRun:
             x, y = global_batch(o.model, o.dp * o.micro_batch, o.seed, step, micro)
             x, y = (t.chunk(o.dp)[self.dp_rank].to(self.device) for t in (x, y))
             loss = band_loss(self.model(x), y, self.weights, self.rows, o.domain)
-            (loss / o.accum).backward()
+            self.scaler.scale(loss / o.accum).backward()
             total += loss.detach()
         if not self.in_backward:
             sync_domain_gradients(self.model, self.mesh.domain)
         sync_replicated_gradients(self.model, self.mesh.tp)
-        torch_clip = _try_torch_clip(self.model) if step == 1 else None
+        if step == o.nonfinite_step and dist.get_rank() == dist.get_world_size() - 1:
+            _amp.plant_inf(self.model, self.planted)
+        torch_clip = _try_torch_clip(self.model) if step == 1 and self.probe_torch_clip else None
+        self.scaler.unscale_(self.optimizer)
         norm = clip_grad_norm_(self.model.parameters(), o.max_norm)
-        self.optimizer.step()
+        skipped = self.scaler.step(self.optimizer, norm)
         self.optimizer.zero_grad()
         mean_loss = total / o.accum
         all_reduce_avg(mean_loss)  # the mean over bands and over dp shards: the global loss
         self.history.record(float(mean_loss), float(norm))
+        if self.scaler.active:
+            self.history.record_scaler(self.scaler.get_scale(), skipped)
         return torch_clip
 
 
 class _Replica:
-    """The same model and data in one process, with torch's own clip_grad_norm_."""
+    """The same model and data in one process, with torch's own clip_grad_norm_ (and its own
+    GradScaler)."""
 
     def __init__(self, model: nn.Module, options: Options, device: torch.device) -> None:
         self.model, self.options, self.device = model, options, device
+        self.scaler = _amp.for_replica(options, device)
         self.optimizer = _optimizer(model, options)
         self.weights = latitude_weights(options.model).to(device)
         self.history = History()
 
-    def step(self, step: int) -> None:
-        """One optimizer step on the whole global batch, recorded in ``history``."""
+    def step(self, step: int, planted: str) -> None:
+        """One optimizer step on the whole global batch, recorded in ``history``; at the planted
+        step, an inf in parameter ``planted``'s gradient, as the parallel run gets one."""
         o = self.options
         total = torch.zeros((), device=self.device)
         every_row = band(o.model.lat, 1, 0)
@@ -220,12 +246,17 @@ class _Replica:
             x, y = global_batch(o.model, o.dp * o.micro_batch, o.seed, step, micro)
             x, y = x.to(self.device), y.to(self.device)
             loss = band_loss(self.model(x), y, self.weights, every_row, 1)
-            (loss / o.accum).backward()
+            self.scaler.scale(loss / o.accum).backward()
             total += loss.detach()
+        if step == o.nonfinite_step:
+            _amp.plant_inf(self.model, planted)
+        self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.max_norm)
-        self.optimizer.step()
+        skipped = self.scaler.step(self.optimizer, norm)
         self.optimizer.zero_grad()
         self.history.record(float(total / o.accum), float(norm))
+        if self.scaler.active:
+            self.history.record_scaler(self.scaler.get_scale(), skipped)
 
 
 def _optimizer(model: nn.Module, options: Options) -> torch.optim.Optimizer:
@@ -261,8 +292,12 @@ def _weights_difference(model: nn.Module, replica: _Replica | None) -> float:
 
 
 def _same_bits_everywhere(history: History) -> bool:
-    """Whether every rank recorded the same bits of every step's loss and grad norm."""
-    values = torch.tensor(history.loss + history.norm, dtype=torch.float64)
+    """Whether every rank recorded the same bits of every step's loss and grad norm (and scale
+    and skipped step)."""
+    values = torch.tensor(
+        history.loss + history.norm + history.scale + list(map(float, history.skipped)),
+        dtype=torch.float64,
+    )
     if dist.get_backend() == "nccl":
         values = values.cuda()
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size())]

@@ -1,0 +1,24 @@
+"""What each run records per step, shared by the training loop and the report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class History:
+    """Per-step loss and pre-clip gradient norm of a run; with loss scaling, the scale after the
+    step and whether the step was skipped."""
+
+    loss: list[float] = field(default_factory=list)
+    norm: list[float] = field(default_factory=list)
+    scale: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+
+    def record(self, loss: float, norm: float) -> None:
+        self.loss.append(loss)
+        self.norm.append(norm)
+
+    def record_scaler(self, scale: float, skipped: bool) -> None:
+        self.scale.append(scale)
+        self.skipped.append(skipped)
