@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,10 @@ from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 
 def _local_copies(params: Sequence[Tensor]) -> list[Tensor]:
     return [local_tensor(param.grad).detach().clone() for param in params if param.grad is not None]
+
+
+def _local_weights(params: Sequence[Tensor]) -> list[Tensor]:
+    return [local_tensor(param.detach()).clone() for param in params]
 
 
 def _restore(params: Sequence[Tensor], saved: list[Tensor]) -> None:
@@ -43,11 +47,8 @@ def same_bits_as_torch(params: Sequence[Tensor], max_norm: float) -> Row:
     theirs = torch_clip(params, max_norm).reshape(1)
     same = _same_bits([ours, *ours_grads], [theirs, *_local_copies(params)])
     _restore(params, saved)
-    flag = torch.tensor([int(same)], device=ours.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    holds = bool(flag.item())
     label = "same bits as torch (norm and clipped grads, every rank)"
-    return Row(label, "yes" if holds else "no", "check", "same bits", holds)
+    return _check_row(label, _on_every_rank(same, ours.device))
 
 
 def torch_clip_fails(params: Sequence[Tensor], max_norm: float) -> str:
@@ -75,8 +76,42 @@ def same_grads(ours: nn.Module, theirs: nn.Module) -> Row:
     """Whether two models hold the same gradient bits (local shards), on every rank."""
     mine = _local_copies(list(ours.parameters()))
     same = _same_bits(mine, _local_copies(list(theirs.parameters())))
-    flag = torch.tensor([int(same)], device=mine[0].device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    holds = bool(flag.item())
     label = "same gradient bits as the explicit sync (every rank)"
+    return _check_row(label, _on_every_rank(same, mine[0].device))
+
+
+def steps_taken_alike(
+    steps: dict[str, Callable[[], object]], params: dict[str, list[Tensor]]
+) -> Row:
+    """Whether, on every rank, the variants start from the same weights and gradients, and one
+    call of each step is a step taken, to the same weights in all, leaving the gradients as they
+    were.
+
+    Args:
+        steps: variant -> its training step, each on its own copy of the model.
+        params: variant -> the parameters its step updates.
+    """
+    start = [(_local_weights(p), _local_copies(p)) for p in params.values()]
+    for step in steps.values():
+        step()
+    end = [(_local_weights(p), _local_copies(p)) for p in params.values()]
+    (weights, grads), (stepped, kept) = start[0], end[0]
+    same = (
+        all(_same_bits(weights + grads, w + g) for w, g in start[1:])
+        and all(_same_bits(stepped + kept, w + g) for w, g in end[1:])
+        and not _same_bits(weights, stepped)
+        and _same_bits(grads, kept)
+    )
+    label = "one step of each: taken, same weights in all, grads kept (every rank)"
+    return _check_row(label, _on_every_rank(same, grads[0].device))
+
+
+def _on_every_rank(holds: bool, device: torch.device) -> bool:
+    """Whether ``holds`` is true on every rank (one all_reduce)."""
+    flag = torch.tensor([int(holds)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _check_row(label: str, holds: bool) -> Row:
     return Row(label, "yes" if holds else "no", "check", "same bits", holds)

@@ -285,12 +285,13 @@ def setup(ctx: Context) -> Workload:
 
 # The AMP step's scalers and clips, by variant: this package's, torch's, torch's sharded one, and
 # torch's clip and the optimizer step with no scaler at all.
-AMP_VARIANTS: dict[str, tuple[Callable[..., object] | None, Callable[..., object]]] = {
+AMP_VARIANTS: dict[str, tuple[type[torch.amp.GradScaler] | None, Callable[..., object]]] = {
     "ours": (GradScaler, clip_grad_norm_),
     "torch": (torch.amp.GradScaler, baselines.torch_clip),
     "sharded": (ShardedGradScaler, baselines.torch_clip),
     "no_scaler": (None, baselines.torch_clip),
 }
+AMP_MAX_NORM = 1e30  # above any norm here: the clip multiplies by 1
 
 
 def amp(ctx: Context) -> Workload:
@@ -300,32 +301,46 @@ def amp(ctx: Context) -> Workload:
 
     The scale stays at 1.0 (init_scale 1, no growth) and max_norm lies above the norm, so the
     gradients are the same before every call, while every kernel still runs: the unscale and the
-    clip multiply whatever the factor.
+    clip multiply whatever the factor. A larger scale would divide the gradients again on every
+    call (``unscale_`` works in place), down to denormals and zeros.
     """
     # The sharded scaler hands DTensor ops a 1-element found_inf, which DTensor warns about.
     warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
-    steps, grads = {}, []
+    steps: dict[str, Callable[[], object]] = {}
+    params: dict[str, list[Tensor]] = {}
     for key, (scaler_type, clip) in AMP_VARIANTS.items():
         model = layouts.build("fsdp", 8, **MODEL, device=ctx.device.type).model
-        params = _with_grads(model)
-        optimizer = torch.optim.AdamW(params, lr=1e-6, foreach=True)
-        scaler = None
-        if scaler_type is not None:
-            scaler = scaler_type(ctx.device.type, init_scale=1.0, growth_interval=10**9)
-            scaler.scale(torch.ones((), device=ctx.device))  # the scale's lazy start
-        steps[key] = _amp_step(scaler, optimizer, clip, params)
-        grads = _grads(params)
+        params[key] = _with_grads(model)
+        optimizer = torch.optim.AdamW(params[key], lr=1e-6, foreach=True)
+        scaler = None if scaler_type is None else _constant_scaler(scaler_type, ctx.device)
+        steps[key] = _amp_step(scaler, optimizer, clip, params[key])
+    grads = _grads(params["ours"])
     return Workload(
         f"AMP step: unscale_ + clip + step + update, foreach AdamW, {len(grads)} FSDP2 grads "
         f"(dp={ctx.world})",
         grads,
         steps=steps,
+        # The check makes each variant's first call, where ours verifies the layout with one
+        # more collective: every call timed or counted is a later one.
+        rows=[checks.steps_taken_alike(steps, params)],
         notes=[
-            "torch's scaler reduces found_inf over the first gradient's mesh inside unscale_ "
-            "(one collective, then a host sync in step); the sharded one over the default "
-            "group; ours lets the clip's all_reduce carry it"
+            "torch's scaler reduces found_inf in unscale_ (DTensor's all_reduce over the first "
+            "gradient's mesh) and torch's clip reduces the norm: 2 collectives; the sharded "
+            "scaler adds its own all_reduce of found_inf over the default group: 3; ours lets "
+            "the clip's all_reduce carry the answer: 1",
+            "the scale stays at 1.0 and the clip at a factor of 1, so every call runs on the "
+            "same gradients",
         ],
     )
+
+
+def _constant_scaler(
+    scaler_type: type[torch.amp.GradScaler], device: torch.device
+) -> torch.amp.GradScaler:
+    """A scaler of ``scaler_type`` whose scale is 1.0 and stays so while no step is skipped."""
+    scaler = scaler_type(device.type, init_scale=1.0, growth_interval=10**9)
+    scaler.scale(torch.ones((), device=device))  # the scale is created on first use
+    return scaler
 
 
 def _amp_step(
@@ -346,8 +361,6 @@ def _amp_step(
 
     return step
 
-
-AMP_MAX_NORM = 1e30  # above any norm here: the clip multiplies by 1
 
 # The in-backward case: 16 blocks, each an FSDP2 unit, and the root: 17 units.
 DEEP_MODEL = {"blocks": 16, "dim": 128, "hidden": 512}
