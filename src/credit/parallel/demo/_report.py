@@ -6,6 +6,8 @@ import math
 import time
 from typing import TYPE_CHECKING
 
+from credit.parallel.demo._amp import GROWTH_INTERVAL, INIT_SCALE
+
 if TYPE_CHECKING:
     from credit.parallel.demo._cli import Options
     from credit.parallel.demo._history import History
@@ -52,8 +54,6 @@ def ready(options: Options, parameters: int, started: float) -> None:
 
 
 def _scaling_description(options: Options) -> str:
-    from credit.parallel.demo._amp import GROWTH_INTERVAL, INIT_SCALE
-
     planted = f"an inf planted on rank {options.world - 1} at step {options.nonfinite_step}"
     if options.amp == "bf16":
         return (
@@ -130,11 +130,11 @@ def row(step: int, run: History, replica: History) -> None:
 
 
 def relative(value: float, reference: float) -> float:
-    """|value - reference| / |reference|: 0 when both are the same non-finite value (a skipped
-    step's norm), inf when only one is not finite."""
-    if not (math.isfinite(value) and math.isfinite(reference)):
-        same = value == reference or (math.isnan(value) and math.isnan(reference))
-        return 0.0 if same else math.inf
+    """|value - reference| / |reference|: 0 when neither is finite (a skipped step's norms), inf
+    when only one is."""
+    finite = math.isfinite(value), math.isfinite(reference)
+    if not all(finite):
+        return math.inf if any(finite) else 0.0
     return abs(value - reference) / max(abs(reference), 1e-30)
 
 
@@ -152,6 +152,18 @@ def torch_scaler(step: int, skipped: list[bool]) -> None:
     )
 
 
+def _skips(skipped: list[bool]) -> str:
+    """Which steps every rank skipped, as the replica, for the verdict."""
+    steps = [step for step, flag in enumerate(skipped, 1) if flag]
+    if not steps:
+        return "no rank skipped a step, nor did the replica"
+    which = f"{'step' if len(steps) == 1 else 'steps'} {', '.join(map(str, steps))}"
+    return (
+        f"every rank skipped {which}, as the replica (grad norms not finite on either side, "
+        "left out of the maxima)"
+    )
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks)) or 'none'}"
 
@@ -166,10 +178,19 @@ def verdict(
 ) -> bool:
     """Print the one-line verdict; return whether the run matches the replica.
 
-    With loss scaling, the run must also skip the steps the replica skips, with its scales.
+    With loss scaling, the run must also skip the steps the replica skips, with its scales; the
+    norms of skipped steps (not finite on either side) are left out of the maxima.
     """
     loss = max(map(relative, run.loss, replica.loss))
-    norm = max(map(relative, run.norm, replica.norm))
+    skipped = run.skipped or [False] * len(run.norm)
+    norm = max(
+        (
+            relative(value, reference)
+            for value, reference, skip in zip(run.norm, replica.norm, skipped, strict=True)
+            if not skip
+        ),
+        default=0.0,
+    )
     worst = max(loss, norm, weights)
     scaler_agrees = run.skipped == replica.skipped and run.scale == replica.scale
     passed = worst <= options.rtol and same_bits and scaler_agrees
@@ -179,12 +200,7 @@ def verdict(
         f"tolerance {options.rtol:.0e}"
     )
     elapsed = f"{time.perf_counter() - started:.1f} s"
-    skips = ""
-    if run.skipped:
-        skipped = [step for step, flag in enumerate(run.skipped, 1) if flag]
-        skips = (
-            f"; every rank skipped step(s) {', '.join(map(str, skipped)) or 'none'}, as the replica"
-        )
+    skips = f"; {_skips(run.skipped)}" if run.skipped else ""
     if passed:
         say(
             f"PASS: the {options.world}-rank run matches the single-process replica: {figures}; "

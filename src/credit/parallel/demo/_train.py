@@ -287,7 +287,8 @@ def _weights_difference(model: nn.Module, replica: _Replica | None) -> float:
         if replica is not None:
             ref = reference[name].detach()
             diff = torch.linalg.vector_norm(full.detach() - ref) / torch.linalg.vector_norm(ref)
-            worst = max(worst, float(diff))
+            # max() would pass over a NaN (a non-finite step taken): count it as infinitely far.
+            worst = max(worst, float(diff) if torch.isfinite(diff) else math.inf)
     return worst
 
 
