@@ -411,7 +411,17 @@ def _single_stage(
         dist.all_reduce(powered, op=dist.ReduceOp.SUM)
         entries = powered ** (1.0 / order) if order != 1 else powered
     total = torch.linalg.vector_norm(entries, order).to(result_dtype)
-    return Reduced(total, entries, inputs, None, local, layout.groups, True, local_norms, inputs)
+    return Reduced(
+        total,
+        entries,
+        inputs,
+        None,
+        local,
+        layout.groups,
+        world=True,
+        local_norms=local_norms,
+        local_inputs=inputs,
+    )
 
 
 def _max_over_ranks(norms: Tensor) -> Tensor:
@@ -528,12 +538,12 @@ def _pipeline(
     values = torch.zeros(segment_count, dtype=torch.float64, device=device)
     present = torch.zeros_like(values)
     votes = torch.zeros(len(_RESULT_DTYPES), dtype=torch.float64, device=device)
-    normed: tuple[Tensor | None, list[int] | None] = (None, None)
+    local_norms, inputs = None, None
     if local and layout.error is None:  # a broken layout sends zeros beside its flag
         completed = _partial.complete(local, layout.held) if layout.has_partial else local
         stacked, inputs = _stacked_norms(completed, layout.groups, request)
         assert stacked is not None
-        normed = stacked, inputs
+        local_norms = stacked
         stacked = stacked.to(values)
         segments = torch.tensor([segment_of[i] for i in inputs], device=device)
         present[segments] = 1.0
@@ -580,7 +590,15 @@ def _pipeline(
             functools.reduce(torch.promote_types, voted, voted[0]) if voted else result_dtype
         )
     return Reduced(
-        total.to(result_dtype), entries, None, present, local, layout.groups, True, *normed
+        total.to(result_dtype),
+        entries,
+        None,
+        present,
+        local,
+        layout.groups,
+        world=True,
+        local_norms=local_norms,
+        local_inputs=inputs,
     )
 
 
