@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,16 @@ def peer_group(group: GroupLike, argument: str) -> ProcessGroup | None:
         return None
     process_group = resolve_group(group, argument)
     return process_group if group_size(process_group) > 1 else None
+
+
+def collective_device(local: Sequence[torch.Tensor] = ()) -> torch.device:
+    """Where a small tensor sent to a collective of the world must live: beside ``local`` when
+    there is one, else on the current CUDA device under NCCL and on the CPU otherwise."""
+    if local:
+        return local[0].device
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def moves_data() -> bool:

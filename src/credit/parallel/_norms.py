@@ -42,6 +42,7 @@ from credit.parallel._compat import foreach_norm, local_tensor
 from credit.parallel._foreach import group_indices_by_device_and_dtype, use_foreach
 from credit.parallel._groups import (
     GroupLike,
+    collective_device,
     group_size,
     is_distributed,
     moves_data,
@@ -182,7 +183,7 @@ def reduce(
     at = _stages(request.pp_group)
     held = [_ownership.holding(g) for g in grads]
     if request.check:
-        _check_same_layout(held, request, at, _collective_device(local))
+        _check_same_layout(held, request, at, collective_device(local))
     if request.per_rank:
         return _local_norms(local, request, _result_dtype(grads, request.dtype))
     # Plain replicas (DDP), once proven to be copies: each rank's norm is the norm, as torch
@@ -234,15 +235,6 @@ def _promoted(dtypes: set[torch.dtype]) -> torch.dtype:
     if not dtypes:
         return torch.get_default_dtype()
     return functools.reduce(torch.promote_types, dtypes).to_real()
-
-
-def _collective_device(local: list[Tensor]) -> torch.device:
-    if local:
-        return local[0].device
-    backend = str(dist.get_backend())
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +377,7 @@ def _single_stage(
     result_dtype: torch.dtype,
     poison: Tensor | None,
 ) -> Reduced:
-    device = _collective_device(local)
+    device = collective_device(local)
     completed = _partial.complete(local, layout.held) if layout.has_partial else local
     stacked, inputs = _stacked_norms(completed, layout.groups, request)
     if stacked is None:  # no gradients on any rank (the layout is shared)
@@ -451,7 +443,7 @@ def _verify(layout: _Layout, local: list[Tensor], request: NormRequest, at: Stag
     stage on the first call for the layout they share, across stages when any stage asks (see
     :func:`_pipeline`).
     """
-    device = _collective_device(local)
+    device = collective_device(local)
     if at.count == 1:
         slot_count = len(layout.held)
         coverage = torch.tensor(layout.coverage, dtype=torch.float64, device=device)
@@ -533,7 +525,7 @@ def _pipeline(
     segment_count: int,
     poison: Tensor | None,
 ) -> Reduced:
-    device = _collective_device(local)
+    device = collective_device(local)
     order = request.order
     values = torch.zeros(segment_count, dtype=torch.float64, device=device)
     present = torch.zeros_like(values)

@@ -29,7 +29,7 @@ from torch.amp.grad_scaler import OptState
 
 from credit.parallel import _found_inf
 from credit.parallel._compat import local_tensor
-from credit.parallel._groups import is_distributed
+from credit.parallel._groups import collective_device, is_distributed
 
 __all__ = ["GradScaler"]
 
@@ -299,8 +299,7 @@ def _gather_text(text: str) -> list[str]:
     encoded = list(text.encode()[:_REPORT_BYTES])
     mine = torch.zeros(_REPORT_BYTES, dtype=torch.uint8)
     mine[: len(encoded)] = torch.tensor(encoded, dtype=torch.uint8)
-    if str(dist.get_backend()) == "nccl":
-        mine = mine.cuda()
+    mine = mine.to(collective_device())
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]

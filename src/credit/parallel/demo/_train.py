@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from credit.parallel._groups import collective_device
 from credit.parallel._launch import init_process_group
 from credit.parallel.collectives import all_reduce_avg, clip_grad_norm_
 from credit.parallel.demo import _amp, _report
@@ -298,9 +299,8 @@ def _same_bits_everywhere(history: History) -> bool:
     values = torch.tensor(
         history.loss + history.norm + history.scale + list(map(float, history.skipped)),
         dtype=torch.float64,
+        device=collective_device(),
     )
-    if dist.get_backend() == "nccl":
-        values = values.cuda()
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, values)
     bits = [g.view(torch.int64) for g in gathered]
