@@ -116,8 +116,9 @@ def settle(folded: Fold, reduced: Reduced) -> None:
     normed = None
     if reduced.local_norms is not None and reduced.local_inputs is not None:
         normed = [reduced.local[i] for i in reduced.local_inputs], reduced.local_norms
+    answer = (~torch.isfinite(reduced.total)).to(torch.float32)
     for pending in folded.waiting:
-        pending.world = (~torch.isfinite(reduced.total)).to(torch.float32).to(pending.device)
+        pending.world = answer.to(pending.device)
         pending.norms = normed
         forget(pending)
 
