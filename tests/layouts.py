@@ -188,6 +188,15 @@ def same_bits_everywhere(value: Tensor) -> bool:
     return all(torch.equal(g.view(torch.int64), gathered[0].view(torch.int64)) for g in gathered)
 
 
+def local_bytes(tensor: Tensor) -> Tensor:
+    """The raw bytes of a tensor's values (NaN-safe equality); the local shard for a DTensor."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    if tensor.is_sparse:
+        tensor = tensor.to_dense()
+    return tensor.detach().clone().contiguous().view(-1).view(torch.uint8)
+
+
 def ulp_distance(a: Tensor, b: Tensor) -> int:
     """How many float32 values lie between ``a`` and ``b`` (both finite and non-negative)."""
     a32 = a.detach().reshape(1).to(torch.float32)

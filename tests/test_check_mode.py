@@ -14,9 +14,8 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import build
+from layouts import build, local_bytes
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from credit.parallel._layout_check import ENV_VAR, verify_same_layout
@@ -26,11 +25,6 @@ WORLD = 4
 ODD_RANK = 3  # the rank whose layout differs
 FUNCTIONS = ("allreduce_grads_avg", "total_grad_norm", "clip_grad_norm_")
 KINDS = ("count", "shape", "dtype")
-
-
-def _bits(tensor: Tensor) -> Tensor:
-    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-    return local.detach().clone().contiguous().view(-1).view(torch.uint8)
 
 
 def _params(function: str) -> list[nn.Parameter]:
@@ -73,13 +67,15 @@ def _mismatch_raises_everywhere(function: str, kind: str, via: str) -> dict:
     params = _params(function)
     mine, index = _mismatched(params, kind) if dist.get_rank() == ODD_RANK else (params, -1)
     watched = [p.grad for p in params] + [p.grad for p in mine]
-    before = [_bits(g) for g in watched]
+    before = [local_bytes(g) for g in watched]
     previous = os.environ.get(ENV_VAR)
     os.environ[ENV_VAR] = "1" if via == "env" else "0"
     try:
         with pytest.raises(RuntimeError) as raised:
             _call(function, mine, check=True if via == "argument" else None)
-        unchanged = all(torch.equal(b, _bits(g)) for b, g in zip(before, watched, strict=True))
+        unchanged = all(
+            torch.equal(b, local_bytes(g)) for b, g in zip(before, watched, strict=True)
+        )
         # The group keeps working: the agreed layout goes through, with the check on.
         result = _call(function, params, check=True if via == "argument" else None)
     finally:

@@ -32,6 +32,7 @@ from layouts import (
     Block,
     TinyNet,
     full_grads,
+    local_bytes,
     mesh,
     run_step,
     same_bits_everywhere,
@@ -40,7 +41,7 @@ from layouts import (
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel
 
@@ -222,18 +223,13 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 
-def _bits(tensor: Tensor) -> Tensor:
-    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-    return local.detach().clone().contiguous().view(torch.uint8)
-
-
 def _refused_then_declared(name: str, check: bool) -> dict[str, Any]:
     case = CASES[name]()
     grads = [p.grad for p in case.model.parameters() if p.grad is not None]
-    before = [_bits(g) for g in grads]
+    before = [local_bytes(g) for g in grads]
     with pytest.raises(ValueError) as raised:
         case.call(**case.mistaken, check=check)
-    unchanged = all(torch.equal(b, _bits(g)) for b, g in zip(before, grads, strict=True))
+    unchanged = all(torch.equal(b, local_bytes(g)) for b, g in zip(before, grads, strict=True))
     case.call(**case.corrected)  # the first call for the declared layout verifies it
     with CommDebugMode() as comm:
         norm = case.call(**case.corrected)
@@ -278,10 +274,10 @@ def _own_model() -> nn.Module:
 def _models_of_their_own(check: bool) -> dict[str, Any]:
     model = _own_model()
     grads = [p.grad for p in model.parameters()]
-    before = [_bits(g) for g in grads]
+    before = [local_bytes(g) for g in grads]
     with pytest.raises(ValueError) as raised:
         total_grad_norm(grads, check=check)
-    unchanged = all(torch.equal(b, _bits(g)) for b, g in zip(before, grads, strict=True))
+    unchanged = all(torch.equal(b, local_bytes(g)) for b, g in zip(before, grads, strict=True))
     with CommDebugMode() as comm:
         ours = total_grad_norm(grads, check=check, per_rank=True)
     torch_norm = torch.nn.utils.get_total_norm(grads)

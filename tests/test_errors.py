@@ -21,7 +21,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import mesh
+from layouts import local_bytes, mesh
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -32,15 +32,6 @@ from credit.parallel.collectives import (
     clip_grad_norm_,
     total_grad_norm,
 )
-
-
-def _bits(tensor: Tensor) -> Tensor:
-    """The raw bytes of a tensor's values (NaN-safe equality); local shard for a DTensor."""
-    if isinstance(tensor, DTensor):
-        tensor = tensor._local_tensor
-    if tensor.is_sparse:
-        tensor = tensor.to_dense()
-    return tensor.detach().clone().contiguous().view(-1).view(torch.uint8)
 
 
 def _grads() -> list[Tensor]:
@@ -307,7 +298,7 @@ def _() -> Case:
 def _bad_call_raises_before_anything(name: str) -> tuple[str, str, bool, int]:
     build = CASES[name][0]
     watched, call = build()
-    before = [_bits(t) for t in watched]
+    before = [local_bytes(t) for t in watched]
     raised: Exception | None = None
     with CommDebugMode() as comm:
         try:
@@ -315,7 +306,9 @@ def _bad_call_raises_before_anything(name: str) -> tuple[str, str, bool, int]:
         except Exception as error:  # checked against CASES by the test
             raised = error
     assert raised is not None, f"{name}: no error"
-    unchanged = all(torch.equal(old, _bits(t)) for old, t in zip(before, watched, strict=True))
+    unchanged = all(
+        torch.equal(old, local_bytes(t)) for old, t in zip(before, watched, strict=True)
+    )
     # The group still works: nobody is stuck in a collective the others skipped.
     probe = torch.tensor([1.0])
     dist.all_reduce(probe)
