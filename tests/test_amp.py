@@ -22,267 +22,62 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import DIM, IN_DIM, TP_PLAN, Block, mesh
-from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from amp_layouts import (
+    GROWTH_INTERVAL,
+    INIT_SCALE,
+    MAX_NORM,
+    OPTIMIZERS,
+    STEPS,
+    NormFirstNet,
+    Plant,
+    batch,
+    build,
+    copies_agree,
+    expected_scales,
+    local_bits,
+    plant_value,
+)
+from layouts import IN_DIM
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import parallelize_module
 
-from credit.parallel._compat import is_shard, local_tensor
+from credit.parallel._compat import local_tensor
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import clip_grad_norm_
 
-STEPS = 6
-INIT_SCALE = 2.0**10
-GROWTH_INTERVAL = 2
-MAX_NORM = 0.5
-
-
-class NormFirstNet(nn.Module):
-    """A LayerNorm first (the first gradient a scaler sees), then two blocks and a head."""
-
-    def __init__(self, width: int = DIM) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(IN_DIM)
-        self.embed = nn.Linear(IN_DIM, width)
-        self.blocks = nn.ModuleList([Block(width) for _ in range(2)])
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.embed(self.norm(x))
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-class WithExperts(NormFirstNet):
-    """Experts of this rank beside the dense model, on a branch of their own."""
-
-    def __init__(self, ep_rank: int) -> None:
-        super().__init__()
-        generator = torch.Generator().manual_seed(100 + ep_rank)
-        self.experts = nn.ParameterList(
-            [nn.Parameter(torch.randn(IN_DIM, IN_DIM, generator=generator)) for _ in range(2)]
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        """The dense output beside the experts' own (a separate term of a squared loss), so that
-        the dense gradients stay the same on every expert-parallel rank."""
-        routed = [(x.detach() @ expert).mean(dim=1, keepdim=True) for expert in self.experts]
-        return torch.cat([super().forward(x), *routed], dim=1)
-
-
-@dataclass
-class Layout:
-    """A model on the current world, and how its trainer calls the norm."""
-
-    model: nn.Module
-    data_rank: int  # which slice of each global batch this rank trains on
-    data_ranks: int
-    stage: int = 0
-    clip_kwargs: dict[str, Any] = field(default_factory=dict)
-    distinct_rank: int | None = None  # experts: this rank's place in the expert group
-
-
-def _shard(model: nn.Module, dp: DeviceMesh) -> None:
-    for block in model.blocks:
-        fully_shard(block, mesh=dp)
-    fully_shard(model, mesh=dp)
-
-
-def _layout(name: str) -> Layout:
-    world = dist.get_world_size()
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    if name == "fsdp":
-        model = NormFirstNet()
-        dp = mesh((world,), ("dp",))
-        _shard(model, dp)
-        return Layout(model, dp.get_local_rank(), world)
-    if name == "fsdp_tp":
-        model = NormFirstNet()
-        dp_tp = mesh((world // 2, 2), ("dp", "tp"))
-        for block in model.blocks:
-            parallelize_module(block, dp_tp["tp"], TP_PLAN)
-        _shard(model, dp_tp["dp"])
-        return Layout(model, dp_tp["dp"].get_local_rank(), world // 2)
-    if name == "hsdp":
-        model = NormFirstNet()
-        _shard(model, mesh((2, world // 2), ("replicate", "shard")))
-        return Layout(model, rank, world)
-    if name == "tp":
-        model = NormFirstNet()
-        parallelize_module(model.blocks[0], mesh((world,), ("tp",)), TP_PLAN)
-        return Layout(model, 0, 1)
-    if name in ("pp_equal", "pp_unequal"):
-        pp_dp = mesh((2, world // 2), ("pp", "dp"))
-        stage = pp_dp["pp"].get_local_rank()
-        torch.manual_seed(stage)
-        model = NormFirstNet(DIM + 8 * stage * (name == "pp_unequal"))
-        _shard(model, pp_dp["dp"])
-        kwargs = {"pp_group": pp_dp["pp"]}
-        return Layout(model, pp_dp["dp"].get_local_rank(), world // 2, stage, kwargs)
-    if name == "experts":
-        dp_ep = mesh((world // 2, 2), ("dp", "ep"))
-        ep_rank = dp_ep["ep"].get_local_rank()
-        model = WithExperts(ep_rank)
-        _shard(model, dp_ep["dp"])
-        kwargs = {"distinct_along": [(list(model.experts), dp_ep["ep"])]}
-        return Layout(model, dp_ep["dp"].get_local_rank(), world // 2, 0, kwargs, ep_rank)
-    raise ValueError(name)
-
-
-# --- where a non-finite value goes ----------------------------------------------------------------
-
-
-def _sharded(grad: Tensor) -> bool:
-    return isinstance(grad, DTensor) and any(map(is_shard, grad.placements))
-
-
-def _copied(grad: Tensor) -> bool:
-    """A shard that other ranks hold too (outside pipeline stages): a plain gradient, a Replicate
-    dim, or a mesh over part of the world (the tp or ep peers hold its other copies)."""
-    if not isinstance(grad, DTensor):
-        return True
-    replicated = any(p.is_replicate() for p in grad.placements)
-    return replicated or grad.device_mesh.size() < dist.get_world_size()
-
-
-def _on_tp(grad: Tensor) -> bool:
-    if not isinstance(grad, DTensor):
-        return False
-    names = grad.device_mesh.mesh_dim_names or ()
-    return "tp" in names and is_shard(grad.placements[names.index("tp")])
-
-
-PLACES: dict[str, Callable[[str, Tensor], bool]] = {
-    "shard": lambda name, grad: _sharded(grad),  # this rank's own FSDP2 shard
-    "plain": lambda name, grad: not isinstance(grad, DTensor) and not name.startswith("experts"),
-    "tp": lambda name, grad: _on_tp(grad),
-    "copy": lambda name, grad: _copied(grad),  # a shard another rank holds as well
-    "expert": lambda name, grad: name.startswith("experts"),
-}
-
-
-@dataclass(frozen=True)
-class Plant:
-    step: int
-    rank: int
-    place: str
-    value: float
-
-
-def _plant(model: nn.Module, plant: Plant) -> None:
-    """Put ``plant.value`` into the first gradient of its place that this rank holds a piece of."""
-    if dist.get_rank() != plant.rank:
-        return
-    for name, param in model.named_parameters():
-        grad = param.grad
-        if grad is not None and PLACES[plant.place](name, grad) and local_tensor(grad).numel():
-            local_tensor(grad).view(-1)[0] = plant.value
-            return
-    raise AssertionError(f"no gradient for {plant.place} on rank {plant.rank}")
-
-
-# --- what every rank records ----------------------------------------------------------------------
-
-
-def _local_bits(model: nn.Module) -> dict[str, Tensor]:
-    return {name: local_tensor(p.detach()).clone() for name, p in model.named_parameters()}
-
-
-def _copies_agree(layout: Layout) -> bool:
-    """Whether every rank holding a copy of a parameter's shard holds the same bits."""
-    mine = {}
-    for name, param in layout.model.named_parameters():
-        coordinates: tuple[int, ...] = ()
-        if isinstance(param, DTensor):
-            coordinate = param.device_mesh.get_coordinate() or []
-            coordinates = tuple(
-                c for c, p in zip(coordinate, param.placements, strict=True) if is_shard(p)
-            )
-        distinct = layout.distinct_rank if name.startswith("experts") else None
-        key = (layout.stage, name, coordinates, distinct)
-        mine[key] = local_tensor(param.detach()).contiguous().view(torch.uint8).clone()
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    seen: dict[Any, Tensor] = {}
-    for held in everyone:
-        for key, bits in held.items():
-            if key in seen and not torch.equal(seen[key], bits):
-                return False
-            seen.setdefault(key, bits)
-    return True
-
-
-def _batch(layout: Layout, step: int) -> Tensor:
-    generator = torch.Generator().manual_seed(1000 * layout.stage + step)
-    return torch.randn(4 * layout.data_ranks, IN_DIM, generator=generator).chunk(layout.data_ranks)[
-        layout.data_rank
-    ]
-
-
-# AdamW's implementations. torch's foreach and fused kernels refuse a list that mixes plain
-# tensors and DTensors (TP beside plain parameters): there, the per-tensor loop.
-OPTIMIZERS = {
-    "foreach": {"foreach": True},
-    "fused": {"fused": True},
-    "loop": {"foreach": False},
-}
-
 
 def _train(name: str, plants: tuple[Plant, ...], optimizer_kind: str, unscale: bool = True) -> dict:
-    layout = _layout(name)
+    layout = build(name)
     model = layout.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **OPTIMIZERS[optimizer_kind])
     scaler = GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
     record: dict[str, list] = {"scale": [], "skipped": [], "collectives": [], "kept": []}
     record["copies"] = []
     for step in range(STEPS):
-        scaler.scale(model(_batch(layout, step)).pow(2).mean()).backward()
+        scaler.scale(model(batch(layout, step)).pow(2).mean()).backward()
         for plant in plants:
             if plant.step == step:
-                _plant(model, plant)
-        before = _local_bits(model)
+                plant_value(model, plant)
+        before = local_bits(model)
         with CommDebugMode() as comm:
             if unscale:
                 scaler.unscale_(optimizer)
                 clip_grad_norm_(model.parameters(), MAX_NORM, **layout.clip_kwargs)
             scaler.step(optimizer)
             scaler.update()
-        after = _local_bits(model)
+        after = local_bits(model)
         record["scale"].append(scaler.get_scale())
         record["skipped"].append(scaler.last_step_skipped)
         record["collectives"].append(comm.get_total_counts())
         record["kept"].append(all(torch.equal(before[n], after[n]) for n in before))
-        record["copies"].append(_copies_agree(layout))
+        record["copies"].append(copies_agree(layout))
         optimizer.zero_grad()
     record["skipped_steps"] = scaler.skipped_steps
     return record
-
-
-def _expected_scales(skipped: set[int]) -> list[float]:
-    """torch's update rule: back off by 0.5 on a skipped step, double after GROWTH_INTERVAL clean
-    steps in a row."""
-    scale, clean, scales = INIT_SCALE, 0, []
-    for step in range(STEPS):
-        if step in skipped:
-            scale, clean = scale * 0.5, 0
-        else:
-            clean += 1
-            if clean == GROWTH_INTERVAL:
-                scale, clean = scale * 2.0, 0
-        scales.append(scale)
-    return scales
 
 
 INF, NAN = math.inf, math.nan
@@ -308,7 +103,7 @@ def test_every_rank_takes_the_same_decision(ranks, world, name, optimizer, plant
     skipped = {plant.step for plant in plants}
     fused = optimizer == "fused"
     records = ranks.run(world, _train, name, plants, optimizer, timeout_s=120)
-    expected = _expected_scales(skipped)
+    expected = expected_scales(skipped)
     for rank, record in enumerate(records):
         label = f"{name} rank {rank}"
         assert record["scale"] == expected, f"{label}: scales {record['scale']}"
@@ -332,7 +127,7 @@ def _against_torch(optimizer_kind: str) -> dict:
     one with this package's scaler and clip, one with torch's, the same non-finite values."""
     models, optimizers, scalers = [], [], []
     for scaler_type in (GradScaler, torch.amp.GradScaler):
-        layout = _layout("fsdp")
+        layout = build("fsdp")
         models.append(layout.model)
         kind = OPTIMIZERS[optimizer_kind]
         optimizers.append(torch.optim.AdamW(layout.model.parameters(), lr=1e-2, **kind))
@@ -343,9 +138,9 @@ def _against_torch(optimizer_kind: str) -> dict:
     for step in range(STEPS):
         norms, scales = [], []
         for model, optimizer, scaler, clip in zip(models, optimizers, scalers, clips, strict=True):
-            scaler.scale(model(_batch(layout, step)).pow(2).mean()).backward()
+            scaler.scale(model(batch(layout, step)).pow(2).mean()).backward()
             if step in plants:
-                _plant(model, plants[step])
+                plant_value(model, plants[step])
             scaler.unscale_(optimizer)
             norm = clip(model.parameters(), MAX_NORM)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
@@ -355,7 +150,7 @@ def _against_torch(optimizer_kind: str) -> dict:
             optimizer.zero_grad()
         same["scale"] &= scales[0] == scales[1]
         same["norm"] &= torch.equal(norms[0].view(torch.int32), norms[1].view(torch.int32))
-        ours, theirs = (_local_bits(model) for model in models)
+        ours, theirs = (local_bits(model) for model in models)
         same["params"] &= all(
             torch.equal(ours[n].view(torch.int32), theirs[n].view(torch.int32)) for n in ours
         )
@@ -371,22 +166,22 @@ def test_torch_bits_where_torch_is_right(ranks, world, optimizer):
 
 def _torch_scaler_on_fsdp_tp() -> dict:
     """torch's own scaler on FSDP2 + TP with a LayerNorm first: an inf in rank 3's TP shard."""
-    layout = _layout("fsdp_tp")
+    layout = build("fsdp_tp")
     model = layout.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
-    scaler.scale(model(_batch(layout, 0)).pow(2).mean()).backward()
-    _plant(model, Plant(0, 3, "tp", INF))
-    before = _local_bits(model)
+    scaler.scale(model(batch(layout, 0)).pow(2).mean()).backward()
+    plant_value(model, Plant(0, 3, "tp", INF))
+    before = local_bits(model)
     scaler.unscale_(optimizer)
     clip_grad_norm_(model.parameters(), MAX_NORM)  # torch's own clip raises on this layout
     scaler.step(optimizer)
     scaler.update()
-    after = _local_bits(model)
+    after = local_bits(model)
     return {
         "skipped": all(torch.equal(before[n], after[n]) for n in before),
         "scale": scaler.get_scale(),
-        "copies_agree": _copies_agree(layout),
+        "copies_agree": copies_agree(layout),
     }
 
 
@@ -413,7 +208,7 @@ def test_step_without_unscale_decides_for_the_world(ranks, optimizer):
     records = ranks.run(4, _without_unscale, optimizer)
     for record in records:
         assert record["skipped"] == [step == 2 for step in range(STEPS)]
-        assert record["scale"] == _expected_scales({2})
+        assert record["scale"] == expected_scales({2})
         assert all(record["copies"])
         reported = [step == 2 and optimizer == "foreach" for step in range(STEPS)]
         assert record["collectives"] == [1 + r for r in reported]
@@ -421,7 +216,7 @@ def test_step_without_unscale_decides_for_the_world(ranks, optimizer):
 
 def _two_optimizers() -> dict:
     """The dense parameters and the experts in two optimizers, one clip over all of them."""
-    layout = _layout("experts")
+    layout = build("experts")
     model = layout.model
     experts = list(model.experts)
     dense = [p for n, p in model.named_parameters() if not n.startswith("experts")]
@@ -429,9 +224,9 @@ def _two_optimizers() -> dict:
     scaler = GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
     skipped, counts = [], []
     for step in range(STEPS):
-        scaler.scale(model(_batch(layout, step)).pow(2).mean()).backward()
+        scaler.scale(model(batch(layout, step)).pow(2).mean()).backward()
         if step == 3:
-            _plant(model, Plant(3, 2, "expert", NAN))
+            plant_value(model, Plant(3, 2, "expert", NAN))
         with CommDebugMode() as comm:
             for optimizer in optimizers:
                 scaler.unscale_(optimizer)
@@ -451,22 +246,22 @@ def test_several_optimizers_share_one_decision(ranks):
     (torch would step the dense optimizer); the skipped step is reported once per optimizer."""
     for record in ranks.run(4, _two_optimizers):
         assert record["skipped"] == [step == 3 for step in range(STEPS)]
-        assert record["scale"] == _expected_scales({3})[-1]
+        assert record["scale"] == expected_scales({3})[-1]
         assert record["counts"][1:] == [1, 1, 1 + 2, 1, 1]
 
 
 def _skip_mode(optimizer_kind: str) -> dict:
     """scaling=False (bf16, float32): no scale, the same skipped steps everywhere, counted."""
-    layout = _layout("fsdp_tp")
+    layout = build("fsdp_tp")
     model = layout.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **OPTIMIZERS[optimizer_kind])
     scaler = GradScaler("cpu", scaling=False)
     record: dict[str, list] = {"scale": [], "skipped": [], "counts": [], "unscaled": []}
     for step in range(STEPS):
-        loss = model(_batch(layout, step)).pow(2).mean()
+        loss = model(batch(layout, step)).pow(2).mean()
         scaler.scale(loss).backward()  # returns the loss unchanged
         if step in (1, 4):
-            _plant(model, Plant(step, 3 - step % 2, "tp", NAN if step == 1 else INF))
+            plant_value(model, Plant(step, 3 - step % 2, "tp", NAN if step == 1 else INF))
         grads = [local_tensor(p.grad).clone() for p in model.parameters()]
         with CommDebugMode() as comm:
             scaler.unscale_(optimizer)
@@ -484,7 +279,7 @@ def _skip_mode(optimizer_kind: str) -> dict:
         record["counts"].append(comm.get_total_counts())
         optimizer.zero_grad()
     record["skipped_steps"] = scaler.skipped_steps
-    record["copies"] = _copies_agree(layout)
+    record["copies"] = copies_agree(layout)
     return record
 
 
@@ -501,36 +296,45 @@ def test_skip_mode_without_scaling(ranks, optimizer):
 
 
 def _uncovered() -> dict:
-    """The clip covers the blocks only; a NaN in the embedding's gradient must still skip."""
-    layout = _layout("fsdp_tp")
-    model = layout.model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    scaler = GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
-    scaler.scale(model(_batch(layout, 0)).pow(2).mean()).backward()
-    if dist.get_rank() == 2:
-        local_tensor(model.embed.weight.grad).view(-1)[0] = math.nan
-    scaler.unscale_(optimizer)
-    with CommDebugMode() as comm:
-        norm = clip_grad_norm_(model.blocks.parameters(), MAX_NORM)
-        scaler.step(optimizer)
-    scaler.update()
+    """The clip covers the blocks only; a NaN in the embedding's gradient must still skip. A twin
+    driven by torch's scaler (same weights, data and NaN, so the same unscaled gradients) gives
+    the same clip without this package's scaler."""
+    clips = {}
+    for scaler_type in (GradScaler, torch.amp.GradScaler):
+        layout = build("fsdp_tp")
+        model = layout.model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        scaler = scaler_type("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+        scaler.scale(model(batch(layout, 0)).pow(2).mean()).backward()
+        if dist.get_rank() == 2:
+            local_tensor(model.embed.weight.grad).view(-1)[0] = math.nan
+        scaler.unscale_(optimizer)
+        with CommDebugMode() as comm:
+            norm = clip_grad_norm_(model.blocks.parameters(), MAX_NORM)
+            scaler.step(optimizer)
+        scaler.update()
+        clips[scaler_type.__module__] = (norm, scaler, comm.get_total_counts())
+    norm, scaler, counts = clips[GradScaler.__module__]
+    torch_norm = clips[torch.amp.GradScaler.__module__][0]
     return {
         "skipped": scaler.last_step_skipped,
-        "norm": str(float(norm)),
-        "counts": comm.get_total_counts(),
+        "norm_bits": torch.equal(norm.view(torch.int32), torch_norm.view(torch.int32)),
+        "finite": bool(torch.isfinite(norm)),
+        "counts": counts,
     }
 
 
 def test_a_flag_the_clip_does_not_cover_still_skips(ranks):
-    """The rank whose uncovered gradient is non-finite makes its norm contribution NaN: every rank
-    skips, and the norm of that skipped step is NaN (two collectives: the first call's check)."""
+    """The clip returns what it returns without a scaler (finite: the NaN is outside it) and
+    leaves the flag to step, whose all_reduce makes every rank skip. Collectives: the clip's two
+    (its layout's first call), the flag's one, the report's all_gather."""
     for record in ranks.run(4, _uncovered):
-        assert record == {"skipped": True, "norm": "nan", "counts": 2 + 1}
+        assert record == {"skipped": True, "norm_bits": True, "finite": True, "counts": 2 + 1 + 1}
 
 
 def _report(steps: int) -> list[str]:
     """Skip every step (a NaN on rank 3); return the warnings rank 0 logged."""
-    layout = _layout("fsdp_tp")
+    layout = build("fsdp_tp")
     model = layout.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     scaler = GradScaler("cpu", init_scale=INIT_SCALE, model=model)
@@ -541,8 +345,8 @@ def _report(steps: int) -> list[str]:
     logger.addHandler(handler)
     try:
         for step in range(steps):
-            scaler.scale(model(_batch(layout, step)).pow(2).mean()).backward()
-            _plant(model, Plant(step, 3, "tp", NAN))
+            scaler.scale(model(batch(layout, step)).pow(2).mean()).backward()
+            plant_value(model, Plant(step, 3, "tp", NAN))
             scaler.unscale_(optimizer)
             clip_grad_norm_(model.parameters(), MAX_NORM)
             scaler.step(optimizer)

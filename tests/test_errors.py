@@ -263,10 +263,18 @@ def _() -> Case:
     return [q.grad for q in p], lambda: clip_grad_norm_(p, -1.0)
 
 
-@_case("clip max_norm nan tensor", ValueError, r"max_norm must be a non-negative number, got nan")
+@_case(
+    "clip max_norm two elements", ValueError, r"max_norm must be a scalar, got a tensor of shape"
+)
 def _() -> Case:
     p = _params()
-    return [q.grad for q in p], lambda: clip_grad_norm_(p, torch.tensor(math.nan))
+    return [q.grad for q in p], lambda: clip_grad_norm_(p, torch.tensor([1.0, 2.0]))
+
+
+@_case("clip max_norm complex tensor", TypeError, r"max_norm must be a real number")
+def _() -> Case:
+    p = _params()
+    return [q.grad for q in p], lambda: clip_grad_norm_(p, torch.tensor(1.0 + 1.0j))
 
 
 @_case("clip max_norm string", TypeError, r"max_norm must be a float or a scalar tensor")

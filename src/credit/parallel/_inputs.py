@@ -123,17 +123,19 @@ def norm_order(norm_type: object) -> float:
 
 
 def check_max_norm(max_norm: float | Tensor) -> None:
-    """ValueError for a NaN or negative ``max_norm`` (torch would silently NaN or flip the grads)."""
+    """Reject a ``max_norm`` no clip can use: TypeError for a non-number, ValueError for a float
+    NaN or negative (torch would silently NaN or flip the grads) or a tensor of more than one
+    element. A tensor's value is not read (that would cost a host sync): the clip turns a NaN or
+    negative one into NaN gradients."""
     if isinstance(max_norm, Tensor):
         if max_norm.numel() != 1:
             raise ValueError(f"max_norm must be a scalar, got a tensor of shape {max_norm.shape}")
-        if max_norm.device.type != "cpu":
-            return  # checking a device scalar would cost a host sync on every step
-        value = float(max_norm.item())
-    elif isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        if max_norm.is_complex():
+            raise TypeError(f"max_norm must be a real number, got a tensor of {max_norm.dtype}")
+        return
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
         raise TypeError(f"max_norm must be a float or a scalar tensor, got {max_norm!r}")
-    else:
-        value = float(max_norm)
+    value = float(max_norm)
     if math.isnan(value) or value < 0:
         raise ValueError(f"max_norm must be a non-negative number, got {value}")
 
@@ -158,10 +160,11 @@ def check_per_rank(
 def distinct_groups(
     distinct_along: DistinctAlong | None, grads: list[Tensor]
 ) -> list[frozenset[int] | None] | None:
-    """For each gradient, the ranks of the group along which its copies differ (None: replicas).
+    """For each of ``grads``, the ranks of the group along which its copies differ (None: replicas).
 
-    A pair names parameters (their current ``.grad`` is meant) or gradients. None when
-    ``distinct_along`` is None or torch.distributed is not initialised.
+    A pair names parameters (themselves, or their current ``.grad``) or gradients, so ``grads``
+    may hold either. None when ``distinct_along`` is None or torch.distributed is not
+    initialised.
 
     Raises:
         TypeError: ``distinct_along`` is not an iterable of ``(tensors, group)`` pairs.
@@ -182,7 +185,8 @@ def distinct_groups(
         tensors, group = pair
         ranks = frozenset(group_ranks(resolve_group(group, f"distinct_along[{index}]")))
         for tensor in tensor_list(tensors, f"distinct_along[{index}]"):
-            grad = tensor.grad if tensor.grad is not None else tensor
-            by_grad[id(grad)] = ranks
+            by_grad[id(tensor)] = ranks
+            if tensor.grad is not None:
+                by_grad[id(tensor.grad)] = ranks
     distinct = [by_grad.get(id(grad)) for grad in grads]
     return [ranks if ranks is not None and len(ranks) > 1 else None for ranks in distinct]

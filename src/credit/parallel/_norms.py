@@ -18,7 +18,8 @@ The one norm pipeline, behind ``total_grad_norm``, ``clip_grad_norm_`` and ``gra
    all_reduce: the self-check of the copy counts and the comparison of the copies' values
    (``_copies``). Under pipeline stages it follows the norm's all_reduce, which tells every rank
    whether any stage meets its layout for the first time.
-6. A GradScaler's pending non-finite flags are answered by the norm's all_reduce (``_found_inf``).
+6. Listeners (``_norm_hooks``) read every norm's result, the GradScaler's flags among them; they
+   never change what the norm computes.
 
 Every rank issues the same collectives, decided by the world, ``pp_group`` and the layout that all
 ranks of a stage share, never by what one rank happens to hold.
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from credit.parallel import _copies, _found_inf, _inputs, _ownership, _partial
+from credit.parallel import _copies, _inputs, _norm_hooks, _ownership, _partial
 from credit.parallel._compat import foreach_norm, local_tensor
 from credit.parallel._foreach import group_indices_by_device_and_dtype, use_foreach
 from credit.parallel._groups import (
@@ -143,9 +144,10 @@ class Reduced:
         present: under pipeline stages, how many ranks hold gradients of each segment.
         local: each gradient's local tensor, in input order.
         groups: the indices of ``local`` by (device, dtype), in torch's order, with the device.
-        world: whether the total was reduced over the world (not each rank's own).
         local_norms: this rank's norm of each local tensor (before any reduction), in torch's
             stacking order, and ``local_inputs`` the input index of each; None without any.
+        answers_world: whether listeners may read the world's answers from it (see
+            ``_norm_hooks.Normed``).
     """
 
     total: Tensor
@@ -154,9 +156,9 @@ class Reduced:
     present: Tensor | None
     local: list[Tensor]
     groups: list[tuple[torch.device, list[int]]]
-    world: bool = False
     local_norms: Tensor | None = None
     local_inputs: list[int] | None = None
+    answers_world: bool = False
 
 
 def reduce(
@@ -177,15 +179,32 @@ def reduce(
         ValueError: the gradients' layout cannot be reduced (raised on every rank).
         RuntimeError: the self-check or the check mode failed (raised on every rank).
     """
+    reduced = _reduce(grads, request, segment_of, segment_count)
+    listeners = _norm_hooks.attached()
+    if listeners:
+        normed = _norm_hooks.Normed(
+            local=reduced.local,
+            local_norms=reduced.local_norms,
+            stacked_inputs=reduced.local_inputs or [],
+            entries=reduced.entries if reduced.answers_world and reduced.entry_inputs else None,
+            total=reduced.total,
+            answers_world=reduced.answers_world,
+        )
+        for listener in listeners:
+            listener.normed(normed)
+    return reduced
+
+
+def _reduce(
+    grads: list[Tensor], request: NormRequest, segment_of: list[int] | None, segment_count: int
+) -> Reduced:
     local = [local_tensor(g) for g in grads]
-    if not is_distributed() or dist.get_world_size() == 1:
+    if not is_distributed() or dist.get_world_size() == 1 or request.per_rank:
         return _local_norms(local, request, _result_dtype(grads, request.dtype))
-    at = _stages(request.pp_group)
+    at = _ownership.stages_of(request.pp_group)
     held = [_ownership.holding(g) for g in grads]
     if request.check:
         _check_same_layout(held, request, at, collective_device(local))
-    if request.per_rank:
-        return _local_norms(local, request, _result_dtype(grads, request.dtype))
     # Plain replicas (DDP), once proven to be copies: each rank's norm is the norm, as torch
     # takes it, with no collective.
     replicas = at.count == 1 and request.distinct is None and all(h.mesh is None for h in held)
@@ -199,29 +218,10 @@ def reduce(
         _verify(layout, local, request, at)
     if replicas:
         return _local_norms(local, request, _result_dtype(grads, request.dtype))
-    # A GradScaler's non-finite flags, answered by this norm (see _found_inf).
-    folded = _found_inf.fold(local)
-    poison = folded.poison if folded is not None else None
     if at.count == 1:
-        reduced = _single_stage(local, layout, request, result_dtype, poison)
-    else:
-        segments = segment_of if segment_of is not None else [0] * len(grads)
-        reduced = _pipeline(
-            local, layout, request, at, result_dtype, segments, segment_count, poison
-        )
-    if folded is not None and reduced.world:
-        _found_inf.settle(folded, reduced)
-    return reduced
-
-
-def _stages(pp_group: ProcessGroup | None) -> Stages:
-    ranks = tuple(dist.get_process_group_ranks(pp_group)) if pp_group is not None else None
-    return _stages_of(ranks, dist.get_world_size(), dist.get_rank())
-
-
-@functools.lru_cache(maxsize=64)
-def _stages_of(pp_ranks: tuple[int, ...] | None, world: int, rank: int) -> Stages:
-    return _ownership.stages(pp_ranks)  # world and rank key the cache
+        return _single_stage(local, layout, request, result_dtype)
+    segments = segment_of if segment_of is not None else [0] * len(grads)
+    return _pipeline(local, layout, request, at, result_dtype, segments, segment_count)
 
 
 def _result_dtype(grads: list[Tensor], dtype: torch.dtype | None) -> torch.dtype:
@@ -248,7 +248,7 @@ def _local_norms(local: list[Tensor], request: NormRequest, result_dtype: torch.
         zero = torch.zeros((), dtype=result_dtype)
         return Reduced(zero, zero.new_zeros(0), [], None, local, groups)
     total = torch.linalg.vector_norm(stacked, request.order)
-    return Reduced(total, stacked, inputs, None, local, groups)
+    return Reduced(total, stacked, inputs, None, local, groups, stacked, inputs)
 
 
 def _torch_order(local: list[Tensor]) -> list[tuple[torch.device, list[int]]]:
@@ -375,7 +375,6 @@ def _single_stage(
     layout: _Layout,
     request: NormRequest,
     result_dtype: torch.dtype,
-    poison: Tensor | None,
 ) -> Reduced:
     device = collective_device(local)
     completed = _partial.complete(local, layout.held) if layout.has_partial else local
@@ -383,9 +382,6 @@ def _single_stage(
     if stacked is None:  # no gradients on any rank (the layout is shared)
         zero = torch.zeros((), dtype=result_dtype, device=device)
         return Reduced(zero, zero.new_zeros(0), [], None, local, layout.groups)
-    local_norms = stacked
-    if poison is not None:
-        stacked = stacked + poison.to(stacked)
     order = request.order
     if order == math.inf:
         entries = _max_over_ranks(stacked.to(result_dtype))
@@ -410,9 +406,9 @@ def _single_stage(
         None,
         local,
         layout.groups,
-        world=True,
-        local_norms=local_norms,
+        local_norms=stacked,
         local_inputs=inputs,
+        answers_world=True,
     )
 
 
@@ -479,7 +475,7 @@ def _verify(layout: _Layout, local: list[Tensor], request: NormRequest, at: Stag
 def _copies_plan(
     layout: _Layout, at: Stages, pp_group: ProcessGroup | None, device: torch.device
 ) -> _copies.Plan:
-    lowest = _lowest_rank_of_stage(at, pp_group, device)
+    lowest = _ownership.lowest_rank_of_stage(at, pp_group, device)
     groups = [
         _ownership.copy_group(held, at, lowest, distinct)
         for held, distinct in zip(layout.held, layout.distinct, strict=True)
@@ -487,23 +483,6 @@ def _copies_plan(
     if at.count == 1:
         return _copies.plan(layout.held, groups, list(range(len(groups))), len(groups))
     return _copies.plan(layout.held, groups, [at.index] * len(groups), at.count)
-
-
-# The lowest rank of this rank's stage, learned once per pipeline group.
-_lowest_by_pp_group: dict[ProcessGroup, int] = {}
-
-
-def _lowest_rank_of_stage(at: Stages, pp_group: ProcessGroup | None, device: torch.device) -> int:
-    """0 within a single stage; under pipeline stages one small all_reduce, once per pp_group."""
-    if pp_group is None:
-        return 0
-    lowest = _lowest_by_pp_group.get(pp_group)
-    if lowest is None:
-        ranks = torch.full((at.count,), dist.get_world_size(), dtype=torch.int64, device=device)
-        ranks[at.index] = dist.get_rank()
-        dist.all_reduce(ranks, op=dist.ReduceOp.MIN)
-        lowest = _lowest_by_pp_group[pp_group] = int(ranks[at.index])
-    return lowest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,7 +502,6 @@ def _pipeline(
     result_dtype: torch.dtype,
     segment_of: list[int],
     segment_count: int,
-    poison: Tensor | None,
 ) -> Reduced:
     device = collective_device(local)
     order = request.order
@@ -545,30 +523,41 @@ def _pipeline(
         else:
             weights = stacked.new_tensor([layout.weights[i] for i in inputs])
             values.index_add_(0, segments, stacked**order * weights)
-    if poison is not None:
-        values += poison.to(values)
     broken = values.new_tensor([float(layout.error is not None)])
     # Stages hold different layouts, seen for the first time on different calls: any stage's
     # first call (or the check mode) makes every rank verify, after this collective.
     unverified = values.new_tensor([float(not layout.verified or request.check)])
+    # What the listeners could not answer from this stage's gradients; with none anywhere, every
+    # rank lets them read the answers (the slot is there, and zero, without listeners).
+    unanswered = values.new_tensor(
+        [float(sum(listener.unanswered(local) for listener in _norm_hooks.attached()))]
+    )
     if order == math.inf:
         nan = torch.isnan(values)
         vector = torch.cat(
-            [torch.where(nan, 0.0, values), nan.to(values), present, votes, broken, unverified]
+            [
+                torch.where(nan, 0.0, values),
+                nan.to(values),
+                present,
+                votes,
+                broken,
+                unverified,
+                unanswered,
+            ]
         )
         dist.all_reduce(vector, op=dist.ReduceOp.MAX)
-        values, nan, present, votes, checks, unverified = vector.split(
-            [segment_count] * 3 + [len(votes), 1, 1]
+        values, nan, present, votes, checks, unverified, unanswered = vector.split(
+            [segment_count] * 3 + [len(votes), 1, 1, 1]
         )
         entries = torch.where(nan > 0, math.nan, values)
         total = entries.max()  # NaN if any entry is
     else:
         # The self-check's terms sum to zero over the world when every stage holds whole copies.
         residual = values.new_tensor([sum(layout.coverage)])
-        vector = torch.cat([values, present, votes, residual, broken, unverified])
+        vector = torch.cat([values, present, votes, residual, broken, unverified, unanswered])
         dist.all_reduce(vector, op=dist.ReduceOp.SUM)
-        values, present, votes, checks, unverified = vector.split(
-            [segment_count] * 2 + [len(votes), 2, 1]
+        values, present, votes, checks, unverified, unanswered = vector.split(
+            [segment_count] * 2 + [len(votes), 2, 1, 1]
         )
         entries = values ** (1.0 / order)
         total = values.sum() ** (1.0 / order)
@@ -588,9 +577,9 @@ def _pipeline(
         present,
         local,
         layout.groups,
-        world=True,
         local_norms=local_norms,
         local_inputs=inputs,
+        answers_world=not bool(unanswered > 0),
     )
 
 

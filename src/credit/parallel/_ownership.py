@@ -24,12 +24,14 @@ one reference rank per stage.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -58,6 +60,38 @@ class Stages:
     index: int
     is_reference: bool
     pp_ranks: frozenset[int]
+
+
+def stages_of(pp_group: ProcessGroup | None) -> Stages:
+    """The stages of the world as this rank sees them, from its pipeline group (None: one stage).
+
+    Raises:
+        ValueError: the pipeline group's size does not divide the world size.
+    """
+    ranks = tuple(dist.get_process_group_ranks(pp_group)) if pp_group is not None else None
+    return _stages_of(ranks, dist.get_world_size(), dist.get_rank())
+
+
+@functools.lru_cache(maxsize=64)
+def _stages_of(pp_ranks: tuple[int, ...] | None, world: int, rank: int) -> Stages:
+    return stages(pp_ranks)  # world and rank key the cache
+
+
+# The lowest rank of this rank's stage, learned once per pipeline group.
+_lowest_by_pp_group: dict[ProcessGroup, int] = {}
+
+
+def lowest_rank_of_stage(at: Stages, pp_group: ProcessGroup | None, device: torch.device) -> int:
+    """0 within a single stage; under pipeline stages one small all_reduce, once per pp_group."""
+    if pp_group is None:
+        return 0
+    lowest = _lowest_by_pp_group.get(pp_group)
+    if lowest is None:
+        ranks = torch.full((at.count,), dist.get_world_size(), dtype=torch.int64, device=device)
+        ranks[at.index] = dist.get_rank()
+        dist.all_reduce(ranks, op=dist.ReduceOp.MIN)
+        lowest = _lowest_by_pp_group[pp_group] = int(ranks[at.index])
+    return lowest
 
 
 def stages(pp_ranks: tuple[int, ...] | None) -> Stages:

@@ -4,16 +4,17 @@
 gradients, DTensor's handler for the check reduces the flag over the mesh of the first gradient
 of each (device, dtype) group only: with FSDP2 + TP, an inf in one rank's TP shard makes its dp
 peers skip and back off while the other ranks step, and the replicas drift apart for good. Here
-every rank checks its local shards, and the answer is reduced over the world: carried by the
-norm that follows (``clip_grad_norm_`` or ``total_grad_norm`` of this package), which is non-finite
-on every rank as soon as one rank holds a non-finite value, or by one small all_reduce of its own
-at ``step`` when no norm came in between (see ``_found_inf``). Every rank then takes the same
-decision and keeps the same scale.
+every rank checks its local shards, and the answer is reduced over the world: read from the norm
+that follows (``clip_grad_norm_``, ``total_grad_norm`` or ``grad_norm_report`` of this package)
+when it covers the optimizer's gradients, whose reduced values are non-finite on every rank as
+soon as one rank holds a non-finite value, or by one small all_reduce of its own when the scaler
+needs the answer and no norm gave it (see ``_found_inf``). Every rank then takes the same
+decision and keeps the same scale; the norms return what they return without a scaler.
 
 It is a subclass, as torch's own ShardedGradScaler is: it overrides ``unscale_``, ``step``,
-``update`` and the protected ``_check_inf_per_device`` and ``_maybe_opt_step``, and reads the
-protected state ``_per_optimizer_states``, ``_scale`` and ``_enabled``, all alike on torch 2.10
-to 2.15.
+``update``, ``state_dict``, ``load_state_dict`` and the protected ``_check_inf_per_device`` and
+``_maybe_opt_step``, and reads the protected state ``_per_optimizer_states``, ``_scale``,
+``_device`` and ``_enabled``, all alike on torch 2.10 to 2.15.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ logger = logging.getLogger(__name__)
 # The longest list of names one rank sends to the skipped-step report, in bytes.
 _REPORT_BYTES = 512
 
+_SPOILED = (
+    "no gradient held a NaN or inf when unscale_ checked it, but a clip's coefficient was not "
+    "finite (a NaN or negative max_norm, or a NaN norm) and made the gradients it scaled NaN"
+)
+
 
 class GradScaler(torch.amp.GradScaler):
     """Drop-in ``torch.amp.GradScaler`` that takes or skips every step on all ranks together.
@@ -56,22 +62,32 @@ class GradScaler(torch.amp.GradScaler):
         scaler.step(optimizer)
         scaler.update()
 
-    ``unscale_`` checks the local shards and issues no collective; the clip's own all_reduce
-    carries the answer (a NaN or inf in any gradient makes its norm non-finite on every rank);
-    ``step`` and ``update`` issue none: one collective per step. Without a norm between
-    ``unscale_`` and ``step`` (or without ``unscale_``), ``step`` issues one small all_reduce.
-    Fused optimizers (``fused=True``) take the answer on the device, without a host sync, as
-    with torch's scaler.
+    ``unscale_`` checks the local shards and issues no collective. A norm of this package over the
+    world that covers the optimizer's gradients answers for every rank from its own reduced values
+    (a NaN or inf in any gradient makes its norm non-finite on every rank), and returns exactly
+    what it returns without a scaler; ``step`` and ``update`` issue none: one collective per
+    step. A norm over part of the gradients leaves the answer to a later norm; without one,
+    ``step`` (or ``update``, when ``step`` was not called) issues one small all_reduce. Each
+    optimizer gets its own answer, as with torch's scaler, and two scalers never answer each
+    other's optimizers. A clip whose coefficient is not finite (a NaN or negative tensor
+    ``max_norm``, or a NaN norm) makes the gradients it scales NaN, so their optimizers skip.
+    Fused optimizers (``fused=True``) take the answer on the device, without a host sync.
 
     With ``scaling=False`` (bf16 or float32 training) nothing is scaled: the scaler only skips
     steps whose gradients hold a NaN or inf, decided on every rank alike, and counts them. Its
     check rides on the clip's norm, so it costs no pass over the gradients when a clip follows
-    ``unscale_``.
+    ``unscale_``. It works on whatever device the gradients live on: ``device`` names the device
+    of a scale, and there is none. With scaling on, ``device`` is torch's: ``"cuda"`` on a
+    machine without CUDA disables the scaler, with torch's warning, skipping included.
 
     On a step skipped by a non-fused optimizer (whose step reads the answer on the host anyway),
-    the scaler logs a warning naming the parameters that held non-finite gradients and the ranks
-    that held them, on the world's rank 0, for the 1st, 2nd, 4th, 8th, ... skipped step (one more
-    all_gather, on those steps only).
+    the scaler logs a warning naming the parameters whose gradients held a NaN or inf when
+    ``unscale_`` checked them and the ranks that held them, on the world's rank 0, for the 1st,
+    2nd, 4th, 8th, ... skipped step (one more all_gather, on those steps only).
+
+    :meth:`state_dict` holds torch's five entries and ``scaling``, ``skipped_steps`` and
+    ``reported_skips``, so a resumed run counts on and reports on where it stopped; it works as a
+    stateful object of ``torch.distributed.checkpoint``.
 
     Args:
         device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as for
@@ -98,19 +114,22 @@ class GradScaler(torch.amp.GradScaler):
         scaling: bool = True,
         model: nn.Module | None = None,
     ) -> None:
+        # Without scaling there is no scale to place: torch's check of the device (which disables
+        # a "cuda" scaler without CUDA) would switch the skipping off for nothing.
         super().__init__(
-            device,
+            device if scaling else "cpu",
             init_scale if scaling else 1.0,
             growth_factor,
             backoff_factor,
             growth_interval,
             enabled,
         )
+        self._device = device
         self.scaling = scaling
-        self._pending: dict[int, _found_inf.Pending] = {}  # by optimizer, until answered
-        self._answered: dict[int, _found_inf.Pending] = {}  # by optimizer, until update()
+        self._flags = _found_inf.StepFlags()  # one per optimizer, from unscale_ to update()
         self._names = {id(p): name for name, p in model.named_parameters()} if model else {}
-        self._skipped: Tensor | None = None  # steps skipped, on the scale's device
+        self._skipped_before = 0  # steps skipped before the state was loaded
+        self._skipped: Tensor | None = None  # steps skipped since, on the scale's device
         self._last_skipped: Tensor | None = None
         self._reports = 0  # skipped steps seen by a non-fused optimizer's step
 
@@ -122,21 +141,22 @@ class GradScaler(torch.amp.GradScaler):
             return outputs
         return super().scale(outputs)
 
-    def _scale_tracker(self) -> None:
-        """With ``scaling=False`` the loss may never pass through :meth:`scale`."""
+    def _scale_tracker(self, optimizer: torch.optim.Optimizer) -> None:
+        """With ``scaling=False`` the loss never passes through :meth:`scale`: the scale (1.0,
+        which fused optimizers read) goes beside the gradients."""
         if self._scale is None and not self.scaling:
-            self._lazy_init_scale_growth_tracker(torch.device(self._device))
+            self._lazy_init_scale_growth_tracker(_grads_device(optimizer))
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale factor, as torch's ``unscale_``.
 
         Checks the local shards for NaN and inf, without a collective: the answer is reduced over
-        the world by the next norm of this package (or by :meth:`step`). With ``scaling=False``
-        nothing is divided and the check itself is left to that norm.
+        the world by the next norm of this package that covers them (or by :meth:`step`). With
+        ``scaling=False`` nothing is divided and the check itself is left to that norm.
         """
         if not self._enabled:
             return
-        self._scale_tracker()
+        self._scale_tracker(optimizer)
         scale, _ = self._check_scale_growth_tracker("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
@@ -150,31 +170,26 @@ class GradScaler(torch.amp.GradScaler):
         if self.scaling:
             # FP32 division can be imprecise for certain compile options: the reciprocal in FP64.
             local = _found_inf.check_and_unscale(grads, scale.double().reciprocal().float())
-        self._pending[id(optimizer)] = _found_inf.expect(grads, scale.device, local)
+        self._flags.expect(id(optimizer), grads, scale.device, local)
         state["found_inf_per_device"] = {scale.device: torch.zeros_like(scale)}
         state["stage"] = OptState.UNSCALED
 
     # --- the world's answer --------------------------------------------------------------------
 
-    def _decide(self, optimizer: torch.optim.Optimizer) -> Tensor:
-        """The world's answer for ``optimizer``'s gradients, written where torch's step reads it."""
-        state = self._per_optimizer_states[id(optimizer)]
-        pending = self._pending.pop(id(optimizer), None)
-        if pending is not None:
-            answer = _found_inf.world_answer(pending)
-            state["found_inf_per_device"] = {answer.device: answer}
-            self._answered[id(optimizer)] = pending
-        (answer,) = state["found_inf_per_device"].values()
+    def _decide(self, key: int) -> Tensor:
+        """The world's answer for optimizer ``key``'s gradients, written where torch reads it."""
+        answer = self._flags.world_answer(key)
+        self._per_optimizer_states[key]["found_inf_per_device"] = {answer.device: answer}
         return answer
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """A fused optimizer's step without ``unscale_``: check, then reduce over the world."""
-        self._scale_tracker()
+        self._scale_tracker(optimizer)
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         grads = _local_grads(optimizer, allow_fp16=True)
         local = _found_inf.check(grads, scale.device)
-        self._pending[id(optimizer)] = _found_inf.expect(grads, scale.device, local)
-        self._decide(optimizer)
+        self._flags.expect(id(optimizer), grads, scale.device, local)
+        self._decide(id(optimizer))
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
@@ -185,9 +200,9 @@ class GradScaler(torch.amp.GradScaler):
             What ``optimizer.step`` returned, or None when the step was skipped.
         """
         if self._enabled:
-            self._scale_tracker()
+            self._scale_tracker(optimizer)
             if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
-                self._decide(optimizer)
+                self._decide(id(optimizer))
         return super().step(optimizer, *args, **kwargs)
 
     def _maybe_opt_step(
@@ -197,18 +212,25 @@ class GradScaler(torch.amp.GradScaler):
         *args: Any,
         **kwargs: Any,
     ) -> float | None:
-        if self._decide(optimizer).item():  # the host sync torch's own step makes here
+        if self._decide(id(optimizer)).item():  # the host sync torch's own step makes here
             self._report_skipped_step(optimizer)
             return None
         return optimizer.step(*args, **kwargs)
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Update the scale factor as torch's ``update`` (not with ``scaling=False``), and count
-        the skipped step."""
+        the skipped step.
+
+        An optimizer whose gradients were unscaled but not stepped (a custom step that calls
+        ``step`` only when the norm is finite) counts with the world's answer, as in torch.
+        """
         if not self._enabled:
             return
         if new_scale is not None and not self.scaling:
             raise ValueError("a GradScaler with scaling=False keeps its scale at 1.0")
+        for key in self._flags.optimizers():
+            self._decide(key)
+        self._flags.clear()
         found = [
             answer
             for state in self._per_optimizer_states.values()
@@ -220,10 +242,6 @@ class GradScaler(torch.amp.GradScaler):
             self._skipped = skipped.long() if self._skipped is None else self._skipped + skipped
         elif new_scale is None:
             raise AssertionError("No inf checks were recorded prior to update.")
-        for pending in self._pending.values():
-            _found_inf.forget(pending)
-        self._pending.clear()
-        self._answered.clear()
         if self.scaling:
             super().update(new_scale)
         else:
@@ -239,14 +257,55 @@ class GradScaler(torch.amp.GradScaler):
 
     @property
     def skipped_steps(self) -> int:
-        """How many steps were skipped so far, the same on every rank (reads the device)."""
-        return 0 if self._skipped is None else int(self._skipped.item())
+        """How many steps were skipped so far, the same on every rank (reads the device);
+        resumed from :meth:`load_state_dict`."""
+        since = 0 if self._skipped is None else int(self._skipped.item())
+        return self._skipped_before + since
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the step before the last :meth:`update` was skipped, the same on every rank
         (reads the device): step an LR scheduler only when it was not."""
         return self._last_skipped is not None and bool(self._last_skipped.item())
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five entries (``scale`` is 1.0 with ``scaling=False``), and ``scaling``,
+        ``skipped_steps`` and ``reported_skips`` (how many skipped steps the report has seen).
+        Empty when the scaler is disabled, as torch's. Call it after :meth:`update`."""
+        state = super().state_dict()
+        if state:
+            state.update(
+                scaling=self.scaling,
+                skipped_steps=self.skipped_steps,
+                reported_skips=self._reports,
+            )
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from :meth:`state_dict`, or from ``torch.amp.GradScaler.state_dict``
+        (which scales, and counts nothing).
+
+        Raises:
+            ValueError: the state was saved with scaling on and this scaler has it off, or the
+                reverse: the saved scale would divide gradients that were never multiplied.
+            RuntimeError: the state is empty (saved by a disabled scaler), as torch's.
+        """
+        if not self._enabled:
+            return
+        saved_scaling = bool(state_dict.get("scaling", True))
+        if state_dict and saved_scaling != self.scaling:
+            raise ValueError(
+                f"the GradScaler state was saved with scaling={saved_scaling} (scale "
+                f"{state_dict.get('scale')}) and is loaded into a GradScaler with "
+                f"scaling={self.scaling}; build the scaler with scaling={saved_scaling}, or "
+                "start this one from its own initial state"
+            )
+        super().load_state_dict(state_dict)
+        self._skipped_before = int(state_dict.get("skipped_steps", 0))
+        self._skipped = None
+        self._reports = int(state_dict.get("reported_skips", 0))
 
     # --- the report of a skipped step ----------------------------------------------------------
 
@@ -255,27 +314,43 @@ class GradScaler(torch.amp.GradScaler):
         self._reports += 1
         if self._reports & (self._reports - 1):  # the 1st, 2nd, 4th, 8th, ... only
             return
-        mine = ", ".join(self._nonfinite_names(optimizer))
+        flag = self._flags.get(id(optimizer))
+        assert flag is not None
+        mine = ", ".join(self._nonfinite_names(optimizer, flag))
         everyone = _gather_text(mine)
         if is_distributed() and dist.get_rank() != 0:
             return
-        held = [f"rank {rank}: {text}" for rank, text in enumerate(everyone) if text]
+        held = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(everyone) if text)
+        spoiled = flag.spoiled is not None and bool(flag.spoiled.item())
         logger.warning(
-            "GradScaler skipped a step (the %s skipped so far): non-finite gradients in %s",
+            "GradScaler skipped a step (the %s skipped so far): %s",
             _ordinal(self._reports),
-            "; ".join(held) or "no gradient this scaler checks (another optimizer's)",
+            f"non-finite gradients in {held}"
+            if held
+            else (_SPOILED if spoiled else "no gradient this scaler checks held a NaN or inf"),
         )
 
-    def _nonfinite_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
-        """The parameters whose gradients hold a NaN or inf on this rank."""
+    def _nonfinite_names(
+        self, optimizer: torch.optim.Optimizer, flag: _found_inf.Flag
+    ) -> list[str]:
+        """The parameters whose gradients held a NaN or inf on this rank when unscale_ checked."""
         named = []
         for group_index, group in enumerate(optimizer.param_groups):
             for index, param in enumerate(group["params"]):
                 if param.grad is not None:
                     default = f"param_groups[{group_index}][{index}] shape={tuple(param.shape)}"
                     named.append(self._names.get(id(param), default))
-        flags = _found_inf.nonfinite(self._answered[id(optimizer)])
-        return [name for name, flag in zip(named, flags, strict=True) if flag]
+        flags = _found_inf.nonfinite(flag)
+        return [name for name, up in zip(named, flags, strict=True) if up]
+
+
+def _grads_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    """Where the optimizer's gradients live (the CPU when none has one yet)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                return local_tensor(param.grad).device
+    return torch.device("cpu")
 
 
 def _local_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[Tensor]:

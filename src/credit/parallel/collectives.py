@@ -9,6 +9,7 @@ Every function works without ``torch.distributed`` initialised, as on a world of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _buckets, _inputs, _norms, _ownership
+from credit.parallel import _buckets, _inputs, _norm_hooks, _norms, _ownership
 from credit.parallel._compat import local_tensor
 from credit.parallel._foreach import group_by_device_and_dtype, use_foreach
 from credit.parallel._groups import (
@@ -266,7 +267,10 @@ def clip_grad_norm_(
         parameters: tensor or iterable of tensors whose ``.grad`` is clipped in place; or a
             module, or ``(name, parameter)`` pairs (``model.named_parameters()``), so that errors
             name the parameters.
-        max_norm: max norm of the gradients (float or scalar tensor).
+        max_norm: max norm of the gradients (float or scalar tensor). A tensor may be computed
+            on the device from the gradients themselves and is not read on the host: a NaN or
+            negative one makes every gradient NaN (a GradScaler then skips the step), where
+            torch's clip would flip their signs.
         norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
         error_if_nonfinite: raise RuntimeError, leaving every gradient unmodified, when the total
             norm is nan or inf. The norm is the same on every rank, so every rank raises.
@@ -284,7 +288,8 @@ def clip_grad_norm_(
 
     Raises:
         TypeError: as :func:`total_grad_norm`, or ``max_norm`` is not a number.
-        ValueError: as :func:`total_grad_norm`, or ``max_norm`` is NaN or negative.
+        ValueError: as :func:`total_grad_norm`, or a float ``max_norm`` is NaN or negative, or
+            a tensor ``max_norm`` has more than one element.
         RuntimeError: as :func:`total_grad_norm`.
     """
     params, names = _inputs.parameter_list(parameters)
@@ -334,8 +339,7 @@ def _scale_(reduced: _norms.Reduced, max_norm: float | Tensor, foreach: bool | N
     """torch's ``clip_grads_with_norm_`` on the local shards of the gradients."""
     if not reduced.local:
         return
-    clip_coef = float(max_norm) / (reduced.total + 1e-6)  # float(), as torch: it decides the bits
-    clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
+    clip_coef_clamped = _clip_coefficient(max_norm, reduced.total)
     for device, indices in reduced.groups:
         device_grads = [reduced.local[i] for i in indices]
         coef = clip_coef_clamped.to(device)
@@ -344,6 +348,26 @@ def _scale_(reduced: _norms.Reduced, max_norm: float | Tensor, foreach: bool | N
         else:
             for grad in device_grads:
                 grad.mul_(coef)
+    for listener in _norm_hooks.attached():
+        listener.scaled(reduced.local, clip_coef_clamped)
+
+
+def _clip_coefficient(max_norm: float | Tensor, total: Tensor) -> Tensor:
+    """torch's ``min(max_norm / (total + 1e-6), 1)``, with torch's bits.
+
+    A tensor ``max_norm`` is read where it lives, with no host sync, and a NaN or negative one
+    gives a NaN coefficient (every gradient NaN, never flipped). torch takes ``float(max_norm)``,
+    and ``float / tensor`` is ``tensor.reciprocal() * float`` with the float in the operation's
+    math dtype: the same operations here give the same bits.
+    """
+    denominator = total + 1e-6
+    if not isinstance(max_norm, Tensor):
+        return torch.clamp(float(max_norm) / denominator, max=1.0)
+    math_dtype = torch.float64 if denominator.dtype == torch.float64 else torch.float32
+    bound = max_norm.detach().to(device=denominator.device, dtype=math_dtype)
+    bound = torch.where(bound >= 0, bound, math.nan)
+    coefficient = (denominator.reciprocal().to(math_dtype) * bound).to(denominator.dtype)
+    return torch.clamp(coefficient, max=1.0)
 
 
 @torch.no_grad()
