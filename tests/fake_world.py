@@ -28,6 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+from credit.parallel.replicas import verify_replicas
 
 # Averaging: 30 replicated grads of 100 fp32 (400 bytes) in buckets of 1000 bytes (250 floats)
 # take 2 per bucket, plus one contiguous grad of 300 floats, reduced alone (>= the cap).
@@ -78,6 +79,15 @@ def _amp_step(params: list[nn.Parameter]) -> Callable[[], None]:
         scaler.update()
 
     return step
+
+
+def _replicas_check(params: list[nn.Parameter]) -> Callable[[], None]:
+    """verify_replicas over ``params`` and their AdamW state (one step taken to fill it)."""
+    model = nn.Module()
+    model.weights = nn.ParameterList(params)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    optimizer.step()
+    return lambda: verify_replicas(model, optimizer)
 
 
 def count_collectives(call: Callable[[], object]) -> int:
@@ -134,6 +144,7 @@ def counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
 
         pipeline_first, pipeline_later = _count_with_pipeline(dp, tp)
         amp_step = _amp_step(params)
+        replicas_check = _replicas_check(params)
         return {
             # A control that the counting sees DTensor's own collectives: torch's norm of the
             # 2D-mesh grads alone redistributes with one all_reduce per mesh dim.
@@ -157,6 +168,8 @@ def counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
             "total_grad_norm with pp_group": pipeline_later,
             "allreduce_grads_avg, first call for a layout": count(average),
             "allreduce_grads_avg": count(average),
+            # Every copy of the parameters and their AdamW state, bit for bit.
+            "verify_replicas (parameters and AdamW state)": count(replicas_check),
         }
     finally:
         dist.destroy_process_group()

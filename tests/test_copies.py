@@ -15,7 +15,8 @@ gradients, bit for bit, with no collective.
 
 Legitimate copies never raise: the demo's model trained 20 steps under DDP, HSDP, FSDP2 + TP
 (after ``sync_replicated_gradients``) and TP + domain parallelism (after ``sync_domain_gradients``),
-with the copies compared on every call (the check mode).
+with the copies compared on every call (the check mode); and after every step ``verify_replicas``
+proves every copy of the parameters and AdamW state bit-identical, in one collective.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from credit.parallel.demo._model import (
 )
 from credit.parallel.grad_sync import sync_domain_gradients, sync_replicated_gradients
 from credit.parallel.norm_report import grad_norm_report
+from credit.parallel.replicas import verify_replicas
 
 WORLD = 4
 TOLERANCE_ULP = 8
@@ -301,7 +303,7 @@ def test_models_of_their_own_raise_until_per_rank(ranks, check):
     for result in results:
         assert result["unchanged"]
         assert result["torch_bits"], "per_rank must give torch's norm of this rank's gradients"
-        assert result["collectives"] == check  # the check mode's layout digest only
+        assert result["collectives"] == 0, "per_rank compares nothing across ranks, checked or not"
 
 
 def _equal_norms(variant: int) -> dict[str, Any]:
@@ -332,10 +334,13 @@ def test_equal_norms_with_different_values_raise(ranks, variant):
 
 CONFIG = ModelConfig(lat=8, lon=16, dim=16, heads=2, hidden=32, depth=1)
 STEPS = 20
+COUNTED = (0, 1, STEPS - 1)  # the steps whose replica check's collectives are counted
 
 
-def _trained(layout: str) -> list[float]:
-    """The demo's model trained STEPS steps on ``layout``, the copies compared on every call."""
+def _trained(layout: str) -> tuple[list[float], list[int]]:
+    """The demo's model trained STEPS steps on ``layout``, the gradients' copies compared on every
+    call, and every copy of the parameters and optimizer state after every step; the norms, and
+    the collectives of each replica check."""
     torch.manual_seed(0)
     model: nn.Module = TinyWeatherModel(CONFIG)
     dp, tp, domain = {"ddp": (4, 1, 1), "hsdp": (4, 1, 1), "fsdp_tp": (2, 2, 1)}.get(
@@ -354,7 +359,7 @@ def _trained(layout: str) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     weights = latitude_weights(CONFIG)
     rows = band(CONFIG.lat, domain, world.get_coordinate()[2])  # type: ignore[index]
-    norms = []
+    norms, checks = [], []
     for step in range(STEPS):
         x, y = global_batch(CONFIG, 2 * dp, 0, step, 0)
         x, y = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
@@ -364,11 +369,20 @@ def _trained(layout: str) -> list[float]:
         norms.append(float(clip_grad_norm_(model.parameters(), 0.5, check=True)))
         optimizer.step()
         optimizer.zero_grad()
-    return norms
+        if step in COUNTED:  # counting puts every op of the check through Python dispatch
+            with CommDebugMode() as comm:
+                verify_replicas(model, optimizer)
+            checks.append(comm.get_total_counts())
+        else:
+            verify_replicas(model, optimizer)
+    return norms, checks
 
 
 @pytest.mark.parametrize("layout", ["ddp", "hsdp", "fsdp_tp", "tp_domain"])
 def test_legitimate_copies_never_raise(ranks, layout):
     results = ranks.run(WORLD, _trained, layout, timeout_s=180)
-    assert len(results[0]) == STEPS and all(norm > 0 for norm in results[0])
-    assert all(norms == results[0] for norms in results), "ranks disagree on a norm"
+    norms = results[0][0]
+    assert len(norms) == STEPS and all(norm > 0 for norm in norms)
+    assert all(result[0] == norms for result in results), "ranks disagree on a norm"
+    # Parameters, buffers and AdamW state stay bit-identical copies: one collective per check.
+    assert all(result[1] == [1] * len(COUNTED) for result in results)

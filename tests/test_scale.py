@@ -67,9 +67,10 @@ def test_first_call_with_pp_group_at_1024_ranks(counts, rank):
         "clip_grad_norm_",
         "total_grad_norm with pp_group",
         "AMP step (unscale_, clip, step, update)",
+        "verify_replicas (parameters and AdamW state)",
     ],
 )
-def test_one_collective_per_norm_on_mixed_meshes_at_1024_ranks(counts, call, rank):
+def test_one_collective_per_call_on_mixed_meshes_at_1024_ranks(counts, call, rank):
     assert counts[rank][call] == 1
 
 
