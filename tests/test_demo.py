@@ -209,8 +209,10 @@ def test_the_check_catches_a_missing_domain_sync(mode: str, function: str) -> No
 
 def test_fp16_scaling_skips_the_planted_step_on_every_rank_where_torch_diverges() -> None:
     """An inf in rank 3's TP shard at step 3: every rank and the replica skip it and back off
-    (1024, 2048 after two clean steps, 1024); torch's own scaler on the same layout does not."""
-    result = _run(_demo_command(["--amp", "fp16", "--steps", "5"]))
+    (1024, 2048 after two clean steps, 1024); torch's own scaler on the same layout does not.
+    The replica check proves this package's run bit-identical across copies at steps 2 and 4, and
+    finds where torch's scaler left the copies apart."""
+    result = _run(_demo_command(["--amp", "fp16", "--steps", "5", "--verify-replicas", "2"]))
     assert result.returncode == 0, result.stdout + result.stderr
     _check_parity(result.stdout, steps=5)
     rows = _table(result.stdout)
@@ -225,6 +227,17 @@ def test_fp16_scaling_skips_the_planted_step_on_every_rank_where_torch_diverges(
     assert "every rank skipped step 3, as the replica" in verdict
     # The skipped step's report names the culprit (a warning, on rank 0's stderr).
     assert "non-finite gradients in rank 3: blocks.0.attn.q.weight" in result.stderr
+    checks = re.search(r"verify_replicas at steps 2, 4: (\d+) of the (\d+) tensors", result.stdout)
+    assert checks is not None, result.stdout
+    assert 0 < int(checks[1]) < int(checks[2])
+    assert "have copies on other ranks, all bit-identical;" in result.stdout
+    assert "ms per call, one all_reduce" in result.stdout
+    # torch's scaler: ranks 1 and 3 skipped, 0 and 2 stepped; their tp peers' copies differ.
+    found = re.search(
+        r"verify_replicas after torch's scaler's step: at step 3, (\d+) tensors", result.stdout
+    )
+    assert found is not None and int(found[1]) > 0, result.stdout
+    assert "(rank 1 from rank 0, rank 3 from rank 2)" in result.stdout
 
 
 def test_bf16_skips_the_planted_step_without_scaling() -> None:
@@ -261,6 +274,10 @@ def test_bad_option_exits_2_before_launching() -> None:
         (["--start-method", "thread"], "argument --start-method: invalid choice: 'thread'"),
         (["--domain-sync", "later"], "argument --domain-sync: invalid choice: 'later'"),
         (["--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
+        (
+            ["--verify-replicas", "0"],
+            "argument --verify-replicas: must be a positive integer, got 0",
+        ),
         (["--amp", "fp16", "--nonfinite-step", "0"], "must be a positive integer, got 0"),
         (["--amp", "fp16", "--nonfinite-step", "11"], "--nonfinite-step 11 is past the last step"),
         (["--nonfinite-step", "2"], "--nonfinite-step needs --amp fp16 or --amp bf16"),

@@ -54,6 +54,7 @@ class Options:
     model: ModelConfig = field(default_factory=ModelConfig)
     amp: str = "off"
     nonfinite_step: int | None = None  # the step (from 1) at which one rank plants an inf
+    verify_replicas: int | None = None  # check every copy's bits every N steps (None: never)
 
     @property
     def world(self) -> int:
@@ -191,6 +192,14 @@ def _add_training(group: argparse._ArgumentGroup) -> None:
         f"gradient, which every rank must skip. Default: {DEFAULT_NONFINITE_STEP}, or the last "
         "step if there are fewer",
     )
+    group.add_argument(
+        "--verify-replicas",
+        type=_positive_int,
+        metavar="N",
+        help="every N steps, prove every copy of every parameter and optimizer state "
+        "bit-identical (credit.parallel.replicas.verify_replicas) and print its cost per call; "
+        "with --amp fp16, also after torch's scaler's planted step. Default: never",
+    )
 
 
 def _add_launch(group: argparse._ArgumentGroup) -> None:
@@ -213,6 +222,7 @@ def _resolve(args: argparse.Namespace, in_place: bool) -> Options:
     return Options(
         amp=args.amp,
         nonfinite_step=_nonfinite_step(args),
+        verify_replicas=args.verify_replicas,
         dp=dp,
         tp=args.tp,
         domain=args.domain,

@@ -8,12 +8,17 @@ from dataclasses import dataclass, field
 @dataclass
 class History:
     """Per-step loss and pre-clip gradient norm of a run; with loss scaling, the scale after the
-    step and whether the step was skipped."""
+    step and whether the step was skipped; with replica checks, when each ran, what it cost, and
+    what it found."""
 
     loss: list[float] = field(default_factory=list)
     norm: list[float] = field(default_factory=list)
     scale: list[float] = field(default_factory=list)
     skipped: list[bool] = field(default_factory=list)
+    checks: list[tuple[int, float]] = field(default_factory=list)  # (step, milliseconds)
+    compared: int = 0  # tensors with copies on other ranks, per check
+    tensors: int = 0
+    diverged: str | None = None  # what the first failed check said
 
     def record(self, loss: float, norm: float) -> None:
         self.loss.append(loss)
@@ -22,3 +27,7 @@ class History:
     def record_scaler(self, scale: float, skipped: bool) -> None:
         self.scale.append(scale)
         self.skipped.append(skipped)
+
+    def record_check(self, step: int, milliseconds: float, compared: int, tensors: int) -> None:
+        self.checks.append((step, milliseconds))
+        self.compared, self.tensors = compared, tensors

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from credit.parallel.demo._amp import GROWTH_INTERVAL, INIT_SCALE
@@ -11,6 +13,7 @@ from credit.parallel.demo._amp import GROWTH_INTERVAL, INIT_SCALE
 if TYPE_CHECKING:
     from credit.parallel.demo._cli import Options
     from credit.parallel.demo._history import History
+    from credit.parallel.replicas import Mismatch
 
 MESSAGE_WIDTH = 90
 COLUMNS = ("step", "loss", "loss (1 proc)", "rel diff", "grad norm", "norm (1 proc)", "rel diff")
@@ -138,17 +141,45 @@ def relative(value: float, reference: float) -> float:
     return abs(value - reference) / max(abs(reference), 1e-30)
 
 
-def torch_scaler(step: int, skipped: list[bool]) -> None:
-    """How torch's own GradScaler decides the planted step on this layout, in one line."""
+def torch_scaler(step: int, skipped: list[bool], diverged: str | None) -> None:
+    """How torch's own GradScaler decides the planted step on this layout, in one line; with
+    --verify-replicas, a second line: what the replica check found after that step."""
     skipping = [rank for rank, flag in enumerate(skipped) if flag]
     stepping = [rank for rank, flag in enumerate(skipped) if not flag]
     prefix = "torch.amp.GradScaler on this layout:"
     if not stepping:
         say(f"{prefix} every rank skipped step {step}")
+    else:
+        say(
+            f"{prefix} {_ranks(skipping)} skipped step {step}, {_ranks(stepping)} stepped: "
+            "the replicas diverged"
+        )
+    if diverged is not None:
+        say(f"verify_replicas after torch's scaler's step: {diverged}")
+
+
+def mismatches(step: int, found: Iterable[Mismatch]) -> str:
+    """What a failed replica check found, in one line: the first two tensors, each with every
+    rank whose copy differs."""
+    by_name: dict[str, list[str]] = {}
+    for m in found:
+        by_name.setdefault(m.name, []).extend(f"rank {r} from rank {m.reference}" for r in m.ranks)
+    shown = "; ".join(f"{name} ({', '.join(pairs)})" for name, pairs in list(by_name.items())[:2])
+    more = f"; and {len(by_name) - 2} more" if len(by_name) > 2 else ""
+    return f"at step {step}, {plural(len(by_name), 'tensor')} differ across copies: {shown}{more}"
+
+
+def replica_checks(run: History) -> None:
+    """What the replica checks of the parallel run found and cost, in one line."""
+    if run.diverged is not None:
+        say(f"verify_replicas: FAIL {run.diverged}")
         return
+    steps = ", ".join(str(step) for step, _ in run.checks)
+    cost = statistics.median(ms for _, ms in run.checks)
     say(
-        f"{prefix} {_ranks(skipping)} skipped step {step}, {_ranks(stepping)} stepped: "
-        "the replicas diverged"
+        f"verify_replicas at {'step' if len(run.checks) == 1 else 'steps'} {steps}: "
+        f"{run.compared} of the {run.tensors} tensors (parameters and AdamW state) have copies "
+        f"on other ranks, all bit-identical; {cost:.1f} ms per call, one all_reduce"
     )
 
 
@@ -193,7 +224,7 @@ def verdict(
     )
     worst = max(loss, norm, weights)
     scaler_agrees = run.skipped == replica.skipped and run.scale == replica.scale
-    passed = worst <= options.rtol and same_bits and scaler_agrees
+    passed = worst <= options.rtol and same_bits and scaler_agrees and run.diverged is None
     figures = (
         f"max relative difference {loss:.1e} (loss), {norm:.1e} (grad norm), "
         f"{weights:.1e} (weights) over {plural(options.steps, 'step')}, "
@@ -210,6 +241,7 @@ def verdict(
         reasons = [] if worst <= options.rtol else ["beyond the tolerance"]
         reasons += [] if same_bits else ["ranks disagree on the loss or grad norm bits"]
         reasons += [] if scaler_agrees else ["the skipped steps or scales differ"]
+        reasons += [] if run.diverged is None else ["copies of parameters or state differ"]
         say(
             f"FAIL: the {options.world}-rank run departs from the single-process replica "
             f"({', '.join(reasons)}): {figures}; {elapsed}"

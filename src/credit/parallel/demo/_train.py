@@ -39,6 +39,7 @@ from credit.parallel.grad_sync import (
     sync_replicated_gradients,
 )
 from credit.parallel.parallel_mesh import ParallelMesh, build_device_mesh
+from credit.parallel.replicas import ReplicaMismatchError, verify_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +135,12 @@ def _train_and_compare(
                 _report.torch_clip(torch_clip)
                 _report.header(options)
             _report.row(step, run.history, replica.history)
+    if replica is not None and options.verify_replicas is not None:
+        _report.replica_checks(run.history)
     if options.nonfinite_step is not None:
-        skips = _torch_scaler_skips(options, mesh, device)
+        skips, diverged = _torch_scaler_skips(options, mesh, device)
         if replica is not None:
-            _report.torch_scaler(options.nonfinite_step, skips)
+            _report.torch_scaler(options.nonfinite_step, skips, diverged)
     weights = _weights_difference(run.model, replica)
     same_bits = _same_bits_everywhere(run.history)
     passed = replica is not None and _report.verdict(
@@ -148,9 +151,12 @@ def _train_and_compare(
     return bool(flag.item())
 
 
-def _torch_scaler_skips(options: Options, mesh: ParallelMesh, device: torch.device) -> list[bool]:
+def _torch_scaler_skips(
+    options: Options, mesh: ParallelMesh, device: torch.device
+) -> tuple[list[bool], str | None]:
     """Train a second copy of the parallel model with torch's own GradScaler up to the planted
-    step; whether each rank skipped that step (gathered on every rank)."""
+    step; whether each rank skipped that step (gathered on every rank), and with
+    ``--verify-replicas`` what the replica check found after it."""
     torch.manual_seed(options.seed)
     model = TinyWeatherModel(options.model).to(device)
     parallelize(model, mesh.tp, mesh.dp)
@@ -159,10 +165,12 @@ def _torch_scaler_skips(options: Options, mesh: ParallelMesh, device: torch.devi
     assert options.nonfinite_step is not None
     for step in range(1, options.nonfinite_step + 1):
         run.step(step)
+    if options.verify_replicas is not None and options.nonfinite_step % options.verify_replicas:
+        run.check_replicas(options.nonfinite_step)  # not checked by step(): check it now
     skipped = torch.tensor([float(run.history.skipped[-1])], device=device)
     everyone = [torch.empty_like(skipped) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, skipped)
-    return [bool(flag.item()) for flag in everyone]
+    return [bool(flag.item()) for flag in everyone], run.history.diverged
 
 
 class _ParallelRun:
@@ -223,7 +231,22 @@ class _ParallelRun:
         self.history.record(float(mean_loss), float(norm))
         if self.scaler.active:
             self.history.record_scaler(self.scaler.get_scale(), skipped)
+        if o.verify_replicas is not None and step % o.verify_replicas == 0:
+            self.check_replicas(step)
         return torch_clip
+
+    def check_replicas(self, step: int) -> None:
+        """Prove every copy of the parameters and the optimizer state bit-identical (every rank
+        together), recording the cost, or the first difference found."""
+        started = time.perf_counter()
+        try:
+            report = verify_replicas(self.model, self.optimizer)
+        except ReplicaMismatchError as error:
+            if self.history.diverged is None:
+                self.history.diverged = _report.mismatches(step, error.mismatches)
+            return
+        elapsed = (time.perf_counter() - started) * 1e3
+        self.history.record_check(step, elapsed, report.compared, report.tensors)
 
 
 class _Replica:
