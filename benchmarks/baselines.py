@@ -9,7 +9,12 @@
   global with ``full_tensor()`` and combined with ``vector_norm`` (then ``clip_grads_with_norm_``
   per group);
 - the kernels alone (floor): the kernels a clip with torch's bits runs, on local shards listed in
-  advance, with none of the work of finding them.
+  advance, with none of the work of finding them;
+- SHA-1 of each tensor on the host: each tensor copied to the host as float32 and hashed, the
+  digests all_gathered and compared with rank 0's (Megatron-LM's check of parameter hashes across
+  data-parallel replicas, here over every rank and every tensor given);
+- all_gather of every copy: every tensor's bytes in one buffer, all_gathered and compared with
+  rank 0's.
 
 The averages divide as the library does: :func:`~credit.parallel.collectives.all_reduce_avg` for
 one tensor at a time, and a SUM with one foreach division where many all_reduces are in flight.
@@ -17,6 +22,7 @@ one tensor at a time, and a SUM with one foreach division where many all_reduces
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -134,3 +140,30 @@ def clip_kernels(grads: Sequence[Tensor], max_norm: float) -> Callable[[], None]
         torch._foreach_mul_(local, coefficient)
 
     return kernels
+
+
+def sha1_all_gather(tensors: Sequence[Tensor]) -> bool:
+    """Whether every rank's tensors hash as rank 0's: SHA-1 of each on the host, one all_gather."""
+    digests = torch.stack(
+        [
+            torch.frombuffer(
+                bytearray(hashlib.sha1(t.detach().to("cpu").float().numpy(force=True)).digest()),
+                dtype=torch.uint8,
+            )
+            for t in tensors
+        ]
+    )
+    gathered = [torch.empty_like(digests) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, digests)
+    return all(torch.equal(other, gathered[0]) for other in gathered)
+
+
+def all_gather_compare(tensors: Sequence[Tensor]) -> bool:
+    """Whether every rank's tensors hold rank 0's bytes: all of them gathered in one buffer."""
+    local = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors])
+    gathered = torch.empty(
+        dist.get_world_size() * local.numel(), dtype=torch.uint8, device=local.device
+    )
+    dist.all_gather_into_tensor(gathered, local)
+    everyone = gathered.view(dist.get_world_size(), -1)
+    return bool((everyone == everyone[0]).all())

@@ -198,6 +198,16 @@ NO_SCALER = Way(
     lambda w: w.steps["no_scaler"],
 )
 
+OURS_REPLICAS = Way("replicas_ours", "ours (verify_replicas)", lambda w: w.steps["ours"])
+SHA1_REPLICAS = Way(
+    "replicas_sha1",
+    "SHA-1 of each tensor on the host, all_gather of the digests (Megatron's scheme)",
+    lambda w: w.steps["sha1"],
+)
+GATHER_REPLICAS = Way(
+    "replicas_all_gather", "all_gather of every copy, compared", lambda w: w.steps["all_gather"]
+)
+
 SCALING_SIZES = (500, 2000, 8000)
 
 CASES: tuple[Case, ...] = (
@@ -300,6 +310,18 @@ CASES: tuple[Case, ...] = (
             Ratio(OURS_AMP, NO_SCALER),
         ),
         counts=(Count(OURS_AMP, 1), Count(TORCH_AMP, None), Count(SHARDED_AMP, None)),
+    ),
+    Case(
+        "replicas",
+        "replica check",
+        workloads.replicas,
+        (OURS_REPLICAS, SHA1_REPLICAS, GATHER_REPLICAS),
+        ratios=(Ratio(OURS_REPLICAS, SHA1_REPLICAS), Ratio(OURS_REPLICAS, GATHER_REPLICAS)),
+        counts=(
+            Count(OURS_REPLICAS, 1),
+            Count(SHA1_REPLICAS, None),
+            Count(GATHER_REPLICAS, None),
+        ),
     ),
     Case(
         "setup",

@@ -106,6 +106,14 @@ def steps_taken_alike(
     return _check_row(label, _on_every_rank(same, grads[0].device))
 
 
+def replicas_found_equal(steps: dict[str, Callable[[], object]], all_compared: bool) -> Row:
+    """Whether every variant of the replica check finds the copies equal, and ours compared every
+    tensor (each is a copy on every rank)."""
+    verdicts = [step() for step in steps.values()]
+    holds = all_compared and all(v is not False for v in verdicts)
+    return _check_row("every variant finds every copy equal; ours compares every tensor", holds)
+
+
 def _on_every_rank(holds: bool, device: torch.device) -> bool:
     """Whether ``holds`` is true on every rank (one all_reduce)."""
     flag = torch.tensor([int(holds)], device=device)

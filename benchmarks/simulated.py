@@ -33,6 +33,11 @@ CALLS = (
         EXPECTED_BUCKETS + 1,
     ),
     ("allreduce_grads_avg", "allreduce_grads_avg over tp, 1000-byte buckets", EXPECTED_BUCKETS),
+    (
+        "verify_replicas (parameters and AdamW state)",
+        "verify_replicas of the parameters and their AdamW state",
+        1,
+    ),
 )
 
 

@@ -32,6 +32,7 @@ from credit.parallel._compat import local_tensor
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import clip_grad_norm_, contiguous_grads_, total_grad_norm
 from credit.parallel.grad_sync import sync_domain_gradients, sync_domain_gradients_in_backward
+from credit.parallel.replicas import verify_replicas
 
 # The layouts' model for the FSDP2 cases: 40 blocks of 10 grads, plus 4 outside them.
 MODEL = {"blocks": 40, "dim": 64, "hidden": 128}
@@ -360,6 +361,44 @@ def _amp_step(
         scaler.update()
 
     return step
+
+
+def replicas(ctx: Context) -> Workload:
+    """The layouts' model as plain replicas on every rank (DDP's layout), one AdamW step taken:
+    its parameters and their state, every tensor a copy on every rank."""
+    built = layouts.build("plain", 9, **MODEL, device=ctx.device.type)
+    params = _with_grads(built.model)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    optimizer.step()
+    # What ours reads: every parameter (a frozen layer's too) and every state tensor.
+    tensors = list(built.model.parameters())
+    tensors += [value for state in optimizer.state.values() for value in state.values()]
+    steps = {
+        "ours": lambda: verify_replicas(built.model, optimizer),
+        "sha1": lambda: baselines.sha1_all_gather(tensors),
+        "all_gather": lambda: baselines.all_gather_compare(tensors),
+    }
+    megabytes = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+    report = verify_replicas(built.model, optimizer)
+    return Workload(
+        f"replica check: {len(params)} trained parameters and their AdamW state, "
+        f"{len(tensors)} tensors, "
+        f"{megabytes:.1f} MiB, copies on every rank (DDP's layout, {ctx.world} ranks)",
+        _grads(params),
+        steps=steps,
+        rows=[
+            checks.replicas_found_equal(steps, report.compared == report.tensors == len(tensors))
+        ],
+        notes=[
+            "every variant reads the same tensors: the parameters and exp_avg, exp_avg_sq, step",
+            "SHA-1: each tensor copied to the host as float32 (a no-op for float32 CPU tensors) "
+            "and hashed, the 20-byte digests all_gathered and compared with rank 0's (Megatron's "
+            "scheme, over every tensor); all_gather: every copy's bytes gathered and compared",
+            "ours: four 64-bit lanes per tensor from float64 products on the device, one "
+            "all_reduce of six int64 numbers; it also covers sharded and TP layouts, buffers, "
+            "and repairs",
+        ],
+    )
 
 
 # The in-backward case: 16 blocks, each an FSDP2 unit, and the root: 17 units.

@@ -39,6 +39,7 @@ import itertools
 
 import torch
 from torch import Tensor
+from torch._utils import _flatten_dense_tensors
 
 LANES = 4
 _ROW = 64  # words per row
@@ -54,11 +55,10 @@ def digests(tensors: list[Tensor]) -> Tensor:
     device = tensors[0].device if tensors else torch.device("cpu")
     result = torch.zeros(len(tensors), LANES, dtype=torch.int64, device=device)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    words = [_words(tensor) for tensor in tensors]
-    for index, word in enumerate(words):
-        groups.setdefault((word.device, word.dtype), []).append(index)
+    for index, tensor in enumerate(tensors):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
     for (where, _), indices in groups.items():
-        lanes = _lanes([words[i] for i in indices], where)
+        lanes = _lanes([tensors[i] for i in indices], where)
         result[indices] = lanes.to(device)
     return result
 
@@ -71,40 +71,61 @@ def _words(tensor: Tensor) -> Tensor:
     return flat.view(_WORD_TYPES.get(flat.element_size(), torch.int32))
 
 
-def _lanes(words: list[Tensor], device: torch.device) -> Tensor:
-    """The lanes of each word sequence (all on ``device``, of one word type)."""
-    rows_of = [-(-word.numel() // _ROW) for word in words]
-    first_row = [0, *itertools.accumulate(rows_of)]
-    sums = torch.empty(first_row[-1], 2 + _RANDOM_LANES, dtype=torch.float64, device=device)
-    # A large tensor of whole rows is read where it is; the others are copied together, each
-    # padded with zeros to whole rows.
-    packed, is_packed = [], []
-    for index, word in enumerate(words):
-        in_place = word.numel() >= _ROWS_PER_BLOCK * _ROW and word.numel() % _ROW == 0
-        is_packed.append(not in_place)
-        if in_place:
-            _row_sums(word.view(-1, _ROW), sums[first_row[index] : first_row[index + 1]])
+def _lanes(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """The lanes of each tensor (all on ``device``, of one dtype)."""
+    words_per_element = max(1, tensors[0].dtype.itemsize // 4)  # see _words
+    lengths = [tensor.numel() * words_per_element for tensor in tensors]
+    rows_of = [-(-length // _ROW) for length in lengths]
+    # Three kinds, each read in as few operations as it allows: a large tensor of whole rows
+    # where it lies; the other tensors of whole rows in one flat copy; the rest in one flat copy
+    # spread over rows padded with zeros.
+    kinds = [
+        0 if length % _ROW else (1 if length < _ROWS_PER_BLOCK * _ROW else 2) for length in lengths
+    ]
+    parts: dict[int, Tensor] = {}
+    for kind in sorted(set(kinds)):
+        members = [tensors[i] for i, k in enumerate(kinds) if k == kind]
+        if kind == 2:
+            parts[2] = torch.cat([_row_sums(_words(t).view(-1, _ROW)) for t in members])
             continue
-        packed.append(word)
-        padding = rows_of[index] * _ROW - word.numel()
-        if padding:
-            packed.append(word.new_zeros(padding))
-    if packed:
-        rows = torch.cat(packed).view(-1, _ROW)
-        packed_sums = _row_sums(rows, sums.new_empty(rows.shape[0], sums.shape[1]))
-        if all(is_packed):
-            sums = packed_sums
-        else:
-            counts = torch.tensor(rows_of, device=device)
-            mask = torch.repeat_interleave(torch.tensor(is_packed, device=device), counts)
-            sums[mask] = packed_sums
+        flat = _words(_flatten_dense_tensors(members) if len(members) > 1 else members[0])
+        if kind == 0:
+            member_lengths = [n for n, k in zip(lengths, kinds, strict=True) if k == 0]
+            flat = _padded(flat, member_lengths, device)
+        parts[kind] = _row_sums(flat.view(-1, _ROW))
+    if len(parts) == 1:
+        (sums,) = parts.values()
+    else:  # the parts' rows back in the tensors' order (a permutation: no host sync)
+        row_kinds = _repeat(torch.tensor(kinds, device=device), rows_of, device)
+        order = torch.argsort(row_kinds, stable=True)
+        sums = torch.empty(sum(rows_of), 2 + _RANDOM_LANES, dtype=torch.float64, device=device)
+        sums[order] = torch.cat([parts[kind] for kind in sorted(parts)])
     return _combine(sums.to(torch.int64), rows_of, device)
 
 
-def _row_sums(rows: Tensor, out: Tensor) -> Tensor:
-    """``rows`` (integer words) times the weights, into ``out``: converted to float64 a block of
-    rows at a time."""
+def _repeat(values: Tensor, counts: list[int], device: torch.device) -> Tensor:
+    """Each of ``values`` ``counts`` times, with the size known on the host (no sync)."""
+    return torch.repeat_interleave(
+        values, torch.tensor(counts, device=device), output_size=sum(counts)
+    )
+
+
+def _padded(flat: Tensor, lengths: list[int], device: torch.device) -> Tensor:
+    """``flat`` (word sequences of ``lengths``, one after the other) with each sequence padded
+    with zeros to whole rows: one index operation."""
+    padding = [-length % _ROW for length in lengths]
+    shifts = torch.tensor([0, *itertools.accumulate(padding)][:-1], device=device)
+    positions = torch.arange(flat.numel(), device=device) + _repeat(shifts, lengths, device)
+    rows = flat.new_zeros(sum(lengths) + sum(padding))
+    rows[positions] = flat
+    return rows
+
+
+def _row_sums(rows: Tensor) -> Tensor:
+    """``rows`` (integer words) times the weights: converted to float64 a block of rows at a
+    time."""
     weights = _weights(rows.device)
+    out = torch.empty(rows.shape[0], 2 + _RANDOM_LANES, dtype=torch.float64, device=rows.device)
     for start in range(0, rows.shape[0], _ROWS_PER_BLOCK):
         block = rows[start : start + _ROWS_PER_BLOCK].to(torch.float64)
         torch.mm(block, weights, out=out[start : start + _ROWS_PER_BLOCK])
@@ -114,14 +135,14 @@ def _row_sums(rows: Tensor, out: Tensor) -> Tensor:
 def _combine(sums: Tensor, rows_of: list[int], device: torch.device) -> Tensor:
     """Each tensor's lanes from its rows' sums (int64, wrapping): the row ``r`` of a tensor adds
     ``2 * 64 * r * (row sum) + (its D0 sum)`` to D0 and ``u_k(r) * (its Dk sum)`` to Dk."""
-    counts = torch.tensor(rows_of, dtype=torch.int64, device=device)
-    owner = torch.repeat_interleave(torch.arange(len(rows_of), device=device), counts)
-    starts = torch.cumsum(counts, 0) - counts
+    owner = _repeat(torch.arange(len(rows_of), device=device), rows_of, device)
+    starts = torch.tensor([0, *itertools.accumulate(rows_of)][:-1], device=device)
     row = torch.arange(sums.shape[0], dtype=torch.int64, device=device) - starts[owner]
     per_row = torch.empty(sums.shape[0], LANES, dtype=torch.int64, device=device)
     per_row[:, 0] = 2 * _ROW * row * sums[:, 0] + sums[:, 1]
+    longest = max(rows_of, default=0)
     for lane in range(1, LANES):
-        per_row[:, lane] = _odd_multipliers(row, lane) * sums[:, 1 + lane]
+        per_row[:, lane] = _multipliers(longest, lane, device)[row] * sums[:, 1 + lane]
     lanes = torch.zeros(len(rows_of), LANES, dtype=torch.int64, device=device)
     return lanes.index_add_(0, owner, per_row)
 
@@ -156,6 +177,19 @@ _MIX_2 = _signed(0x94D049BB133111EB)
 def _shift_right(values: Tensor, bits: int) -> Tensor:
     """The logical right shift of int64 values (torch's ``>>`` keeps the sign)."""
     return (values >> bits) & ((1 << (64 - bits)) - 1)
+
+
+_multiplier_tables: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _multipliers(rows: int, lane: int, device: torch.device) -> Tensor:
+    """``u_lane(r)`` for ``r < rows`` at least, from a table kept per device (grown as needed)."""
+    table = _multiplier_tables.get((lane, device))
+    if table is None or table.numel() < rows:
+        size = max(rows, 2 * table.numel() if table is not None else 1 << 12)
+        table = _odd_multipliers(torch.arange(size, dtype=torch.int64, device=device), lane)
+        _multiplier_tables[(lane, device)] = table
+    return table
 
 
 def _odd_multipliers(rows: Tensor, lane: int) -> Tensor:

@@ -163,8 +163,6 @@ def verify_replicas(
     with_buffers = buffers if buffers is not None else not _broadcasts_buffers(model)
     entries = _entries(model, optimizer, with_buffers)
     tensors = [tensor for _, tensor, _ in entries]
-    for index, (name, tensor, _) in enumerate(entries):
-        _check_tensor(name, tensor, index)
     if not is_distributed() or dist.get_world_size() == 1:
         return ReplicaReport(len(entries), 0, 0, with_buffers)
     process_group = resolve_group(pp_group, "pp_group")
@@ -173,7 +171,7 @@ def verify_replicas(
     distinct = _inputs.distinct_groups(distinct_along, owners)
     plan = _plan(entries, distinct, pp)
     local = [local_tensor(tensors[i]) for i in plan.compared]
-    device = collective_device([local_tensor(t) for t in tensors])
+    device = collective_device([local_tensor(tensors[0])] if tensors else [])
     vector = torch.zeros(_digests.LANES + 2, dtype=torch.int64, device=device)
     if local:
         prints = _digests.digests(local).to(device)
@@ -211,14 +209,17 @@ def _entries(
 ) -> list[tuple[str, Tensor, Tensor]]:
     """``(name, tensor, owner)`` of every parameter, buffer and optimizer state tensor, in an
     order every rank of a stage shares; the owner is the parameter a state belongs to (itself
-    for parameters and buffers), which ``distinct_along`` names."""
-    entries: list[tuple[str, Tensor, Tensor]] = [
-        (name, param, param) for name, param in model.named_parameters()
-    ]
+    for parameters and buffers), which ``distinct_along`` names.
+
+    Raises:
+        ValueError: a tensor is sparse or on the meta device.
+    """
+    named = list(model.named_parameters())
+    entries: list[tuple[str, Tensor, Tensor]] = [(name, param, param) for name, param in named]
     if with_buffers:
         entries += [(name, buffer, buffer) for name, buffer in model.named_buffers()]
     if optimizer is not None:
-        names = {id(param): name for name, param in model.named_parameters()}
+        names = {id(param): name for name, param in named}
         for group_index, group in enumerate(optimizer.param_groups):
             for index, param in enumerate(group["params"]):
                 state = optimizer.state.get(param, {})
@@ -226,15 +227,12 @@ def _entries(
                 for key in sorted(state, key=str):
                     if isinstance(state[key], Tensor):
                         entries.append((f"{key} of {owner}", state[key], param))
+    for name, tensor, _ in entries:
+        local = local_tensor(tensor)
+        if local.layout != torch.strided or local.is_meta:
+            where = "on the meta device" if local.is_meta else f"of layout {local.layout}"
+            raise ValueError(f"{_WHAT}: {name} is {where}; only dense tensors with data")
     return entries
-
-
-def _check_tensor(name: str, tensor: Tensor, index: int) -> None:
-    local = local_tensor(tensor)
-    if local.layout != torch.strided:
-        raise ValueError(f"{_WHAT}: {name} has layout {local.layout}; only dense tensors")
-    if local.is_meta:
-        raise ValueError(f"{_WHAT}: {name} is on the meta device and holds no data")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +273,7 @@ def _plan(
     if found is not None:
         _plans.move_to_end(key)
         return found
-    device = collective_device([local_tensor(t) for _, t, _ in entries])
+    device = collective_device([local_tensor(entries[0][1])] if entries else [])
     lowest = _ownership.lowest_rank_of_stage(at, pp_group, device)
     errors = (_ownership.layout_error(h, at, d) for h, d in zip(held, marks, strict=True))
     error = next((e for e in errors if e is not None), None)
