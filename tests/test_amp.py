@@ -214,19 +214,21 @@ def test_step_without_unscale_decides_for_the_world(ranks, optimizer):
         assert record["collectives"] == [1 + r for r in reported]
 
 
-def _two_optimizers() -> dict:
-    """The dense parameters and the experts in two optimizers, one clip over all of them."""
+def _two_optimizers(value: float) -> dict:
+    """The dense parameters and the experts in two optimizers, one clip over all of them;
+    ``value`` planted in an expert's gradient at step 3."""
     layout = build("experts")
     model = layout.model
     experts = list(model.experts)
     dense = [p for n, p in model.named_parameters() if not n.startswith("experts")]
     optimizers = [torch.optim.AdamW(params, lr=1e-2, foreach=True) for params in (dense, experts)]
     scaler = GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
-    skipped, counts = [], []
+    skipped, counts, kept = [], [], []
     for step in range(STEPS):
         scaler.scale(model(batch(layout, step)).pow(2).mean()).backward()
         if step == 3:
-            plant_value(model, Plant(3, 2, "expert", NAN))
+            plant_value(model, Plant(3, 2, "expert", value))
+        before = local_bits(model)
         with CommDebugMode() as comm:
             for optimizer in optimizers:
                 scaler.unscale_(optimizer)
@@ -234,20 +236,42 @@ def _two_optimizers() -> dict:
             for optimizer in optimizers:
                 scaler.step(optimizer)
             scaler.update()
+        after = local_bits(model)
+        # Whether the dense parameters, and the experts, kept their values.
+        kept.append(
+            tuple(
+                all(
+                    torch.equal(before[n], after[n]) for n in before if n.startswith("experts") == e
+                )
+                for e in (False, True)
+            )
+        )
         skipped.append(scaler.last_step_skipped)
         counts.append(comm.get_total_counts())
         for optimizer in optimizers:
             optimizer.zero_grad()
-    return {"skipped": skipped, "scale": scaler.get_scale(), "counts": counts}
+    return {"skipped": skipped, "scale": scaler.get_scale(), "counts": counts, "kept": kept}
 
 
-def test_several_optimizers_share_one_decision(ranks):
-    """One clip answers both optimizers' flags: the NaN in an expert skips both, on every rank
-    (torch would step the dense optimizer); the skipped step is reported once per optimizer."""
-    for record in ranks.run(4, _two_optimizers):
+def test_a_nan_clip_skips_every_optimizer_it_covers(ranks):
+    """A NaN in an expert makes the clip's total NaN, and the clip multiplies every gradient by
+    NaN: both optimizers skip, on every rank (torch's scaler would step the dense one, into NaN);
+    the skipped step is reported once per optimizer."""
+    for record in ranks.run(4, _two_optimizers, NAN):
         assert record["skipped"] == [step == 3 for step in range(STEPS)]
         assert record["scale"] == expected_scales({3})[-1]
+        assert record["kept"][3] == (True, True)
         assert record["counts"][1:] == [1, 1, 1 + 2, 1, 1]
+
+
+def test_each_optimizer_takes_its_own_answer(ranks):
+    """An inf in an expert: the clip's total is inf and its coefficient 0, so the dense
+    gradients are zeros, finite: the dense optimizer steps, as with torch's scaler, and the
+    experts' skips (reported once)."""
+    for record in ranks.run(4, _two_optimizers, INF):
+        assert record["skipped"] == [step == 3 for step in range(STEPS)]
+        assert record["kept"][3] == (False, True)
+        assert record["counts"][1:] == [1, 1, 1 + 1, 1, 1]
 
 
 def _skip_mode(optimizer_kind: str) -> dict:

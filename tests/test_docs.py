@@ -117,7 +117,7 @@ def test_docs_build_without_warnings_and_document_every_public_name(tmp_path):
         [*command, "docs", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
-    for name in ("collectives", "grad_sync", "parallel_mesh", "norm_report"):
+    for name in ("collectives", "grad_sync", "parallel_mesh", "norm_report", "amp", "replicas"):
         module = importlib.import_module(f"credit.parallel.{name}")
         documented = _documented_ids((out / "api" / f"{name}.html").read_text())
         missing = {f"{module.__name__}.{public}" for public in module.__all__} - documented
