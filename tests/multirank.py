@@ -126,7 +126,8 @@ class RankPool:
         for conn, dump in zip(self._conns, dumps, strict=False):
             conn.send((fn, args, timeout_s, str(dump)))
         try:
-            return self._collect(timeout_s + 5.0, what=fn.__name__, dumps=dumps)
+            # The stacks are dumped at timeout_s, by faulthandler's watchdog: read them soon after.
+            return self._collect(timeout_s + 2.0, what=fn.__name__, dumps=dumps)
         except RankFailure:
             self.restart()
             raise

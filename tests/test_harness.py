@@ -44,7 +44,7 @@ def test_exception_on_one_rank_fails_with_its_traceback(ranks):
 
 def test_hang_fails_in_bounded_time_with_each_rank_stack(ranks):
     with pytest.raises(RankFailure, match=r"(?s)timed out.*rank 0 stack.*_hang_on_rank_zero"):
-        ranks.run(2, _hang_on_rank_zero, timeout_s=3)
+        ranks.run(2, _hang_on_rank_zero, timeout_s=2)
     assert ranks.run(2, _rank_and_sum)[0] == (0, 2, 1.0)
 
 

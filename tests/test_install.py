@@ -68,10 +68,12 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _installed(order: list[Path], folder: Path) -> dict:
     """Install the wheels one after the other into a new venv; what the probe sees there."""
-    _run(sys.executable, "-m", "venv", folder)
+    # No pip of its own (bootstrapping one costs seconds): this environment's pip installs there.
+    _run(sys.executable, "-m", "venv", "--without-pip", folder)
     python = folder / "bin" / "python"
+    pip = (sys.executable, "-m", "pip", "--python", python)
     for wheel in order:
-        _run(python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", wheel)
+        _run(*pip, "install", "--quiet", "--no-deps", "--no-index", wheel)
     site = Path(
         _run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").strip()
     )

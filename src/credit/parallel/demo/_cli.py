@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from credit.parallel.demo._model import ModelConfig
+from credit.parallel.demo._config import ModelConfig
 
 BACKENDS = ("gloo", "nccl")
 DOMAIN_SYNCS = ("in-backward", "explicit")

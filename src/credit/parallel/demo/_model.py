@@ -9,7 +9,6 @@ are smooth waves drifting east by one grid cell per step, so the model has somet
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,24 +22,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Sizes of the grid and of the model."""
-
-    channels: int = 4
-    lat: int = 16
-    lon: int = 32
-    patch: int = 4
-    dim: int = 32
-    heads: int = 4
-    hidden: int = 64
-    depth: int = 2
-
-    @property
-    def tokens(self) -> int:
-        return (self.lat // self.patch) * (self.lon // self.patch)
-
+from credit.parallel.demo._config import ModelConfig
 
 # The projections that carry the TP plan; norms, embeddings and the head stay out of it.
 TP_PLAN: dict[str, ParallelStyle] = {
