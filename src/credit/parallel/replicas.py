@@ -22,8 +22,7 @@ the tensors and ranks, or to repair them in one more all_reduce.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from credit.parallel import _digests, _inputs, _ownership
+from credit.parallel import _digests, _inputs, _ownership, _replica_failures
 from credit.parallel._compat import local_tensor
 from credit.parallel._groups import (
     GroupLike,
@@ -43,6 +42,7 @@ from credit.parallel._groups import (
     resolve_group,
 )
 from credit.parallel._ownership import CopyGroup, Holding, Stages
+from credit.parallel._replica_failures import WHAT, Mismatch
 
 __all__ = ["Mismatch", "ReplicaMismatchError", "ReplicaReport", "verify_replicas"]
 
@@ -50,23 +50,6 @@ logger = logging.getLogger(__name__)
 
 # Layouts whose plans are kept (a trainer checks one model, or a few).
 _MAX_PLANS = 16
-_WHAT = "verify_replicas"
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """One tensor whose copies differ from the reference copy.
-
-    Attributes:
-        name: the tensor: a parameter's or buffer's name, or ``"exp_avg of blocks.0.q.weight"``.
-        reference: the rank whose copy the others are compared with, and a repair copies: the
-            lowest rank of a strict majority of identical copies, else the reference copy.
-        ranks: the ranks whose copy differs from it.
-    """
-
-    name: str
-    reference: int
-    ranks: tuple[int, ...]
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -170,30 +153,36 @@ def verify_replicas(
     owners = [owner for _, _, owner in entries]
     distinct = _inputs.distinct_groups(distinct_along, owners)
     plan = _plan(entries, distinct, pp)
-    local = [local_tensor(tensors[i]) for i in plan.compared]
-    device = collective_device([local_tensor(tensors[0])] if tensors else [])
+    local = [local_tensor(tensor) for tensor in tensors]
+    compared = [local[i] for i in plan.compared]
+    device = collective_device(local[:1])
     vector = torch.zeros(_digests.LANES + 2, dtype=torch.int64, device=device)
-    if local:
-        prints = _digests.digests(local).to(device)
+    prints = _digests.digests(compared).to(device)
+    if compared:
         weights = torch.tensor(plan.coefficients, dtype=torch.int64, device=device)
         vector[: _digests.LANES] = (weights[:, None] * prints).sum(0)
     vector[_digests.LANES] = plan.coverage
     vector[_digests.LANES + 1] = plan.error is not None
     dist.all_reduce(vector, op=dist.ReduceOp.SUM)
-    compared_bytes = sum(t.numel() * t.element_size() for t in local)
-    report = ReplicaReport(len(entries), len(local), compared_bytes, with_buffers)
+    compared_bytes = sum(t.numel() * t.element_size() for t in compared)
+    report = ReplicaReport(len(entries), len(compared), compared_bytes, with_buffers)
     if not bool(vector.any()) or not moves_data():  # the verdict: the one host sync
         return report
-    buffer_names = {name for name, _ in model.named_buffers()} if with_buffers else set()
-    slots = _diagnose(plan, entries, tensors)
+    names = [name for name, _, _ in entries]
+    slots, total = _replica_failures.diagnose(
+        _replica_failures.Held(names, local, plan.held, plan.groups, plan.at),
+        dict(zip(plan.compared, prints.tolist(), strict=True)),
+        plan.error,
+    )
     mismatches = tuple(slot.mismatch for slot in slots)
     if not repair:
-        message = _describe(mismatches, plan.compared_total, buffer_names)
+        buffer_names = {name for name, _ in model.named_buffers()} if with_buffers else set()
+        message = _replica_failures.describe(mismatches, total, buffer_names)
         raise ReplicaMismatchError(message, mismatches)
-    _repair(slots, tensors, plan.at.index, device)
+    _replica_failures.repair(slots, local, plan.at.index, device)
     if dist.get_rank() == 0:
-        logger.warning("%s repaired %s", _WHAT, _listed(mismatches))
-    return ReplicaReport(len(entries), len(local), compared_bytes, with_buffers, mismatches)
+        logger.warning("%s repaired %s", WHAT, _replica_failures.listed(mismatches))
+    return ReplicaReport(len(entries), len(compared), compared_bytes, with_buffers, mismatches)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +220,7 @@ def _entries(
         local = local_tensor(tensor)
         if local.layout != torch.strided or local.is_meta:
             where = "on the meta device" if local.is_meta else f"of layout {local.layout}"
-            raise ValueError(f"{_WHAT}: {name} is {where}; only dense tensors with data")
+            raise ValueError(f"{WHAT}: {name} is {where}; only dense tensors with data")
     return entries
 
 
@@ -253,7 +242,6 @@ class _Plan:
     coefficients: list[int]  # per compared tensor: w (c - 1) on the reference, -w elsewhere
     coverage: int  # the self-check's term, weighted; the stage's terms sum to zero
     error: str | None
-    compared_total: int = 0  # tensors with copies in every stage, for messages: set on failure
 
 
 _plans: OrderedDict[tuple, _Plan] = OrderedDict()
@@ -311,212 +299,3 @@ def _wrap(value: int) -> int:
     """``value`` mod 2^64, as the int64 with the same bits."""
     value %= 1 << 64
     return value - (1 << 64) if value >= 1 << 63 else value
-
-
-# ---------------------------------------------------------------------------------------------
-# a failure, described (or repaired) the same way on every rank
-
-
-@dataclass(frozen=True)
-class _Record:
-    """What one rank holds of one tensor, gathered only when the proof fails."""
-
-    index: int
-    description: str  # its name and global layout: the same on every rank of the stage
-    key: tuple[int, ...] | None  # its copy group (None: no copies)
-    is_reference: bool
-    digest: tuple[int, ...] | None
-    coverage: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """One group of copies that differ: where the repair reads and writes it."""
-
-    stage: int
-    index: int
-    key: tuple[int, ...]
-    nbytes: int
-    members: frozenset[int]
-    mismatch: Mismatch
-
-
-def _diagnose(
-    plan: _Plan, entries: list[tuple[str, Tensor, Tensor]], tensors: list[Tensor]
-) -> list[_Slot]:
-    """Gather every rank's records; raise for a broken layout, else return the groups whose
-    copies differ (the same list on every rank)."""
-    compared = set(plan.compared)
-    digests = (
-        dict(
-            zip(
-                plan.compared,
-                _digests.digests([local_tensor(tensors[i]) for i in plan.compared]).tolist(),
-                strict=True,
-            )
-        )
-        if compared
-        else {}
-    )
-    mine = []
-    for index, ((name, tensor, _), held, group) in enumerate(
-        zip(entries, plan.held, plan.groups, strict=True)
-    ):
-        local = local_tensor(tensor)
-        mine.append(
-            _Record(
-                index=index,
-                description=f"{name} ({held.description})",
-                key=group.key if group is not None and index in compared else None,
-                is_reference=group is not None and group.is_reference,
-                digest=tuple(digests[index]) if index in compared else None,
-                coverage=_ownership.coverage(held, plan.at),
-                nbytes=local.numel() * local.element_size(),
-            )
-        )
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (dist.get_rank(), plan.at.index, plan.error, mine))
-    for rank, _, error, _ in everyone:
-        if error is not None:
-            raise ValueError(f"{_WHAT}: {error} (rank {rank}). Nothing was modified.")
-    by_stage: dict[int, dict[int, list[_Record]]] = {}
-    for rank, stage, _, records in everyone:
-        by_stage.setdefault(stage, {})[rank] = records
-    _refuse_different_tensors(by_stage)
-    _refuse_missing_copies(by_stage)
-    plan.compared_total = sum(
-        1 for ranks in by_stage.values() for r in next(iter(ranks.values())) if r.key is not None
-    )
-    slots = [slot for stage, ranks in sorted(by_stage.items()) for slot in _differing(stage, ranks)]
-    if not slots:
-        raise RuntimeError(
-            f"{_WHAT}: the copies' sums did not vanish, yet every copy has its reference's "
-            "digest: the ranks disagree on which copy is the reference. Nothing was modified."
-        )
-    return slots
-
-
-def _refuse_different_tensors(by_stage: dict[int, dict[int, list[_Record]]]) -> None:
-    for stage, ranks in sorted(by_stage.items()):
-        first = min(ranks)
-        for rank in sorted(ranks):
-            ours, theirs = ranks[first], ranks[rank]
-            for index in range(max(len(ours), len(theirs))):
-                a = ours[index].description if index < len(ours) else "nothing"
-                b = theirs[index].description if index < len(theirs) else "nothing"
-                if a != b:
-                    within = f" of pipeline stage {stage}" if len(by_stage) > 1 else ""
-                    raise RuntimeError(
-                        f"{_WHAT}: the ranks{within} hold different tensors, so their copies "
-                        f"cannot be compared: at position {index}, rank {first} has {a}, rank "
-                        f"{rank} has {b} (rank {first} holds {len(ours)} tensors, rank {rank} "
-                        f"{len(theirs)}). Nothing was modified."
-                    )
-
-
-def _refuse_missing_copies(by_stage: dict[int, dict[int, list[_Record]]]) -> None:
-    for stage, ranks in sorted(by_stage.items()):
-        records = list(ranks.values())
-        for index, record in enumerate(records[0]):
-            if sum(theirs[index].coverage for theirs in records):
-                where = f"stage {stage}" if len(by_stage) > 1 else "the world"
-                raise RuntimeError(
-                    f"{_WHAT}: cannot tell the copies of {record.description} apart: its shards "
-                    f"do not add up to whole copies on the ranks of {where}. Every rank of a "
-                    "stage must hold every parameter, each on its own copy of its mesh; pass "
-                    "pipeline stages as pp_group. Nothing was modified."
-                )
-
-
-def _differing(stage: int, ranks: dict[int, list[_Record]]) -> list[_Slot]:
-    groups: dict[tuple, list[tuple[int, _Record]]] = {}
-    for rank in sorted(ranks):
-        for record in ranks[rank]:
-            if record.key is not None:
-                groups.setdefault((record.index, record.key), []).append((rank, record))
-    slots = []
-    for (index, key), members in sorted(groups.items()):
-        source_rank, source = _source(members)
-        differ = tuple(rank for rank, r in members if r.digest != source.digest)
-        if differ:
-            name = source.description.split(" (", 1)[0]
-            slots.append(
-                _Slot(
-                    stage=stage,
-                    index=index,
-                    key=key,
-                    nbytes=source.nbytes,
-                    members=frozenset(rank for rank, _ in members),
-                    mismatch=Mismatch(name, source_rank, differ),
-                )
-            )
-    return slots
-
-
-def _source(members: list[tuple[int, _Record]]) -> tuple[int, _Record]:
-    """The copy the others are compared with and repaired from: the one a strict majority of the
-    group holds, else the reference (of two copies that differ, nothing tells which is right)."""
-    counts = Counter(record.digest for _, record in members)
-    digest, count = counts.most_common(1)[0]
-    if 2 * count > len(members):
-        return next((rank, r) for rank, r in members if r.digest == digest)
-    return next((m for m in members if m[1].is_reference), members[0])
-
-
-def _repair(slots: list[_Slot], tensors: list[Tensor], stage: int, device: torch.device) -> None:
-    """Every reference copy over its group's other copies, in one all_reduce of their bytes:
-    the reference sends its bytes, every other rank zeros."""
-    offsets = [0]
-    for slot in slots:
-        offsets.append(offsets[-1] + slot.nbytes)
-    buffer = torch.zeros(offsets[-1], dtype=torch.uint8, device=device)
-    rank = dist.get_rank()
-    for slot, start in zip(slots, offsets, strict=False):
-        if slot.stage == stage and slot.mismatch.reference == rank:
-            local = local_tensor(tensors[slot.index])
-            buffer[start : start + slot.nbytes] = _bytes(local).to(device)
-    dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-    for slot, start in zip(slots, offsets, strict=False):
-        if slot.stage == stage and rank in slot.members and slot.mismatch.reference != rank:
-            local = local_tensor(tensors[slot.index])
-            source = buffer[start : start + slot.nbytes].to(local.device)
-            local.copy_(source.view(local.dtype).view(local.shape))
-
-
-def _bytes(tensor: Tensor) -> Tensor:
-    flat = tensor.reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    return flat.view(torch.uint8)
-
-
-_LISTED = 8
-
-
-def _listed(mismatches: Iterable[Mismatch]) -> str:
-    items = [
-        f"{m.name} ({', '.join(f'rank {r}' for r in m.ranks)} "
-        f"{'differs' if len(m.ranks) == 1 else 'differ'} from rank {m.reference})"
-        for m in mismatches
-    ]
-    shown = "; ".join(items[:_LISTED])
-    return shown + (f"; and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
-
-
-def _describe(mismatches: tuple[Mismatch, ...], compared: int, buffer_names: set[str]) -> str:
-    tensors = len({m.name for m in mismatches})
-    hint = ""
-    if any(m.name in buffer_names for m in mismatches):
-        hint = (
-            " If these are running statistics that each rank updates from its own batch "
-            "(BatchNorm without SyncBatchNorm), pass buffers=False."
-        )
-    verb = "holds" if tensors == 1 else "hold"
-    return (
-        f"{_WHAT}: {tensors} of the {compared} tensors with copies {verb} different bits on ranks "
-        f"that hold copies of them: {_listed(mismatches)}. Nothing was modified: pass "
-        "repair=True to copy each reference copy over the copies that differ (after finding "
-        "the cause: a scaler that decides per mesh, a wrong checkpoint shard, a nondeterministic "
-        f"kernel, a faulty device).{hint}"
-    )
