@@ -9,7 +9,9 @@ copy of every parameter holds the same bits on every rank that holds it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,3 +268,17 @@ def expected_scales(skipped: set[int]) -> list[float]:
                 scale, clean = scale * 2.0, 0
         scales.append(scale)
     return scales
+
+
+@contextmanager
+def scaler_warnings() -> Iterator[list[str]]:
+    """The GradScaler's skipped-step reports logged while inside (rank 0 logs them)."""
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("credit.parallel.amp")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)

@@ -20,7 +20,6 @@ LayerNorm first, torch's scaler is shown diverging (the test fails the day torch
 
 from __future__ import annotations
 
-import logging
 import math
 
 import pytest
@@ -40,6 +39,7 @@ from amp_layouts import (
     expected_scales,
     local_bits,
     plant_value,
+    scaler_warnings,
 )
 from layouts import IN_DIM
 from torch.distributed.tensor import DTensor
@@ -362,12 +362,7 @@ def _report(steps: int) -> list[str]:
     model = layout.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     scaler = GradScaler("cpu", init_scale=INIT_SCALE, model=model)
-    messages: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("credit.parallel.amp")
-    logger.addHandler(handler)
-    try:
+    with scaler_warnings() as messages:
         for step in range(steps):
             scaler.scale(model(batch(layout, step)).pow(2).mean()).backward()
             plant_value(model, Plant(step, 3, "tp", NAN))
@@ -376,8 +371,6 @@ def _report(steps: int) -> list[str]:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
-    finally:
-        logger.removeHandler(handler)
     return messages
 
 

@@ -19,11 +19,9 @@ the planted ones; collectives counted per step.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -44,6 +42,7 @@ from amp_layouts import (
     expected_scales,
     local_bits,
     plant_value,
+    scaler_warnings,
     shard_model,
 )
 from layouts import IN_DIM, TP_PLAN, same_bits_everywhere
@@ -69,20 +68,6 @@ def _bits(value: Tensor) -> Tensor:
 
 def _same(a: Tensor, b: Tensor) -> bool:
     return torch.equal(_bits(a), _bits(b))
-
-
-@contextmanager
-def _warnings_of_rank_0() -> Iterator[list[str]]:
-    """The skipped-step reports logged while inside (rank 0 logs them)."""
-    messages: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("credit.parallel.amp")
-    logger.addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
 
 
 # --- CREDIT's boundary step ---------------------------------------------------------------------
@@ -400,7 +385,7 @@ def _train_with_checkpoint(folder: str | None) -> dict:
 
     scaler = new_scaler()
     record: dict[str, list] = {"scale": [], "skipped_steps": [], "state": []}
-    with _warnings_of_rank_0() as reports:
+    with scaler_warnings() as reports:
         for step in range(RESUME_STEPS):
             if folder is not None and step == RESUME_AT:
                 dcp.save({"scaler": scaler}, checkpoint_id=folder)
@@ -485,7 +470,7 @@ def _report_case(case: str) -> list[str]:
     target = {"ddp": "first.bias", "tp logging norm": "blocks.0.q.weight"}.get(case, "embed.weight")
     if dist.get_rank() == 2:
         local_tensor(dict(names.named_parameters())[target].grad).view(-1)[1] = NAN
-    with _warnings_of_rank_0() as reports:
+    with scaler_warnings() as reports:
         scaler.unscale_(optimizer)
         if case == "tp logging norm":
             dtensors = [p.grad for p in model.parameters() if isinstance(p.grad, DTensor)]
