@@ -72,37 +72,49 @@ LAYOUTS = ("plain", "fsdp", "mixed")
 
 @dataclass
 class World:
-    """This rank's meshes (CUDA DeviceMeshes of the fake world, built outside the fake mode)."""
+    """This rank's meshes, and the gradients of each layout on ``device``.
+
+    Every local shard is zero but for its first element, a small integer chosen so that every
+    norm is exact: a shard's norm is that integer, and each gradient's sum of squares over its
+    distinct shards is a perfect square (shards of 1 over 4 ranks, of 3 and 4 over 2), so that
+    only the total's square root rounds. The same computation on the CPU and on CUDA then gives
+    the same bits, whatever order each device's kernels add in (``tests/test_gpu_syncs.py``
+    compares them); the trace ignores values.
+
+    Attributes:
+        made: every gradient handed out, in order.
+    """
 
     rank: int
+    device: str
     flat: DeviceMesh  # ("dp",) over every rank: FSDP2 alone
     dp_tp: DeviceMesh  # (dp=2, tp=2)
     pp_dp: DeviceMesh  # (pp=2, dp=2): two pipeline stages of FSDP2
     dp_domain: DeviceMesh  # (dp=2, domain=2)
+    made: list[Tensor] = field(default_factory=list)
 
     @classmethod
-    def build(cls, rank: int) -> World:
+    def build(cls, rank: int, device: str = "cuda") -> World:
+        """The meshes of a world of :data:`WORLD` ranks (call it on every rank)."""
         grid = torch.arange(WORLD).view(2, 2)
-        # On 2.10 a CUDA DeviceMesh picks a device from the host's GPU count: one, here.
+        # A CUDA DeviceMesh picks this rank's device from the host's GPU count (2.10 even on a
+        # fake world): one GPU, already set.
         with (
             mock.patch.object(torch.cuda, "device_count", return_value=1),
             mock.patch.object(torch.cuda, "set_device"),
         ):
-            return cls._build(rank, grid)
-
-    @classmethod
-    def _build(cls, rank: int, grid: Tensor) -> World:
-        return cls(
-            rank=rank,
-            flat=DeviceMesh("cuda", torch.arange(WORLD), mesh_dim_names=("dp",)),
-            dp_tp=DeviceMesh("cuda", grid, mesh_dim_names=("dp", "tp")),
-            pp_dp=DeviceMesh("cuda", grid, mesh_dim_names=("pp", "dp")),
-            dp_domain=DeviceMesh("cuda", grid, mesh_dim_names=("dp", "domain")),
-        )
+            return cls(
+                rank=rank,
+                device=device,
+                flat=DeviceMesh(device, torch.arange(WORLD), mesh_dim_names=("dp",)),
+                dp_tp=DeviceMesh(device, grid, mesh_dim_names=("dp", "tp")),
+                pp_dp=DeviceMesh(device, grid, mesh_dim_names=("pp", "dp")),
+                dp_domain=DeviceMesh(device, grid, mesh_dim_names=("dp", "domain")),
+            )
 
     def grads(self, layout: str) -> list[Tensor]:
         """Fresh gradients of ``layout`` (a new layout for the norm's caches)."""
-        return {
+        grads = {
             "plain": self._plain,
             "fsdp": self._fsdp,
             "mixed": self._mixed,
@@ -111,85 +123,94 @@ class World:
             "domain": self._domain,
             "pp": self._pipeline,
         }[layout]()
-
-    def _plain(self) -> list[Tensor]:
-        return [_randn(16, 8), _randn(8), _randn(3, 5)]
-
-    def _fsdp(self) -> list[Tensor]:
-        first = 1 if self.rank == 0 else 0  # a 1-row weight: every other rank holds no row
-        return [
-            _shard(_randn(4, 8), self.flat, [Shard(0)], (16, 8)),
-            _shard(_randn(2, 8), self.flat, [Shard(0)], (8, 8)),
-            _shard(_randn(first, 8), self.flat, [Shard(0)], (1, 8)),
-        ]
-
-    def _dtensors(self) -> list[Tensor]:
-        """FSDP2 + TP: every gradient a DTensor, as torch's optimizers need them."""
-        mesh, dp = self.dp_tp, self.dp_tp["dp"]
-        coordinate = mesh.get_coordinate()
-        assert coordinate is not None
-        first = 1 if coordinate[0] == 0 else 0
-        return [
-            _shard(_randn(2, 8), mesh, [_StridedShard(0, split_factor=2), Shard(0)], (8, 8)),
-            _shard(_randn(4, 4), mesh, [Shard(0), Shard(1)], (8, 8)),
-            _shard(_randn(4), mesh, [Shard(0), Replicate()], (8,)),
-            _shard(_randn(4), dp, [Shard(0)], (8,)),
-            _shard(_randn(first, 8), dp, [Shard(0)], (1, 8)),
-        ]
-
-    def _dp_shards(self) -> list[Tensor]:
-        """FSDP2 shards on the dp mesh of (dp, tp): the same on both tp peers."""
-        dp = self.dp_tp["dp"]
-        return [
-            _shard(_randn(4, 8), dp, [Shard(0)], (8, 8)),
-            _shard(_randn(3), dp, [Shard(0)], (6,)),
-        ]
-
-    def _domain(self) -> list[Tensor]:
-        """FSDP2 shards on the dp mesh of (dp, domain), and plain gradients beside them."""
-        dp = self.dp_domain["dp"]
-        return [_shard(_randn(4, 8), dp, [Shard(0)], (8, 8)), _randn(8), _randn(3, 5)]
-
-    def _mixed(self) -> list[Tensor]:
-        """FSDP2 + TP with plain replicated gradients beside the DTensors."""
-        return [*self._dtensors(), _randn(8)]
-
-    def _pipeline(self) -> list[Tensor]:
-        """This rank's stage: FSDP2 shards over the stage's dp mesh; the stages differ."""
-        coordinate = self.pp_dp.get_coordinate()
-        assert coordinate is not None
-        dp = self.pp_dp["dp"]
-        # All DTensors (a replicated one among them), as torch's fused optimizers need them.
-        grads = [
-            _shard(_randn(4, 8), dp, [Shard(0)], (8, 8)),
-            _shard(_randn(8), dp, [Replicate()], (8,)),
-        ]
-        if coordinate[0] == 0:
-            grads.append(_shard(_randn(2), dp, [Shard(0)], (4,)))
+        self.made.extend(grads)
         return grads
 
     def params(self, layout: str) -> list[nn.Parameter]:
         """Parameters holding fresh gradients of ``layout``."""
         params = []
         for grad in self.grads(layout):
-            param = nn.Parameter(torch.empty_like(grad))
+            param = nn.Parameter(torch.zeros_like(grad))
             param.grad = grad
             params.append(param)
         return params
 
+    def tensor(self, *shape: int, value: float = 2.0) -> Tensor:
+        """A local tensor on this world's device: zeros, and ``value`` first."""
+        tensor = torch.zeros(shape)
+        if tensor.numel():
+            tensor.view(-1)[0] = value
+        return tensor.to(self.device)
 
-def _adamw(params: list[nn.Parameter], kind: str) -> torch.optim.AdamW:
-    """torch's AdamW, ``fused`` (its step counts on the device) or ``foreach`` (on the CPU)."""
-    return torch.optim.AdamW(params, lr=1e-3, **{kind: True})
+    def _dp_rank(self, mesh: DeviceMesh) -> int:
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None
+        return coordinate[0]
 
+    def _plain(self) -> list[Tensor]:
+        return [self.tensor(16, 8), self.tensor(8, value=3.0), self.tensor(3, 5)]
 
-def _randn(*shape: int) -> Tensor:
-    return torch.randn(*shape, device="cuda")
+    def _fsdp(self) -> list[Tensor]:
+        first = 1 if self.rank == 0 else 0  # a 1-row weight: every other rank holds no row
+        return [
+            _shard(self.tensor(4, 8, value=1.0), self.flat, [Shard(0)], (16, 8)),
+            _shard(self.tensor(2, 8, value=1.0), self.flat, [Shard(0)], (8, 8)),
+            _shard(self.tensor(first, 8, value=1.0), self.flat, [Shard(0)], (1, 8)),
+        ]
+
+    def _dtensors(self) -> list[Tensor]:
+        """FSDP2 + TP: every gradient a DTensor, as torch's optimizers need them."""
+        mesh, dp = self.dp_tp, self.dp_tp["dp"]
+        dp_rank = self._dp_rank(mesh)
+        half = (3.0, 4.0)[dp_rank]  # 3^2 + 4^2 = 5^2 over the two dp shards
+        strided = [_StridedShard(0, split_factor=2), Shard(0)]
+        return [
+            _shard(self.tensor(2, 8, value=1.0), mesh, strided, (8, 8)),
+            _shard(self.tensor(4, 4, value=1.0), mesh, [Shard(0), Shard(1)], (8, 8)),
+            _shard(self.tensor(4, value=half), mesh, [Shard(0), Replicate()], (8,)),
+            _shard(self.tensor(4, value=half), dp, [Shard(0)], (8,)),
+            _shard(self.tensor(1 - dp_rank, 8), dp, [Shard(0)], (1, 8)),
+        ]
+
+    def _dp_shards(self) -> list[Tensor]:
+        """FSDP2 shards on the dp mesh of (dp, tp): the same on both tp peers."""
+        dp = self.dp_tp["dp"]
+        return [
+            _shard(self.tensor(4, 8), dp, [Shard(0)], (8, 8)),
+            _shard(self.tensor(3), dp, [Shard(0)], (6,)),
+        ]
+
+    def _domain(self) -> list[Tensor]:
+        """FSDP2 shards on the dp mesh of (dp, domain), and plain gradients beside them."""
+        dp = self.dp_domain["dp"]
+        shard = _shard(self.tensor(4, 8), dp, [Shard(0)], (8, 8))
+        return [shard, self.tensor(8), self.tensor(3, 5)]
+
+    def _mixed(self) -> list[Tensor]:
+        """FSDP2 + TP with a plain replicated gradient beside the DTensors."""
+        return [*self._dtensors(), self.tensor(8)]
+
+    def _pipeline(self) -> list[Tensor]:
+        """This rank's stage: FSDP2 shards over the stage's dp mesh; the stages differ."""
+        dp = self.pp_dp["dp"]
+        # All DTensors (a replicated one among them), as torch's fused optimizers need them.
+        grads = [
+            _shard(self.tensor(4, 8), dp, [Shard(0)], (8, 8)),
+            _shard(self.tensor(8), dp, [Replicate()], (8,)),
+        ]
+        if self._dp_rank(self.pp_dp) == 0:
+            grads.append(_shard(self.tensor(2), dp, [Shard(0)], (4,)))
+        return grads
 
 
 def _shard(local: Tensor, mesh: DeviceMesh, placements: list, shape: tuple[int, ...]) -> DTensor:
     stride = tuple(math.prod(shape[dim + 1 :]) for dim in range(len(shape)))
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _adamw(params: list[nn.Parameter], kind: str) -> torch.optim.AdamW:
+    """torch's AdamW, ``fused`` (its step counts on the device) or ``foreach`` (on the CPU)."""
+    return torch.optim.AdamW(params, lr=1e-3, **{kind: True})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,20 +229,21 @@ def _clip(layout: str, order: float, foreach: bool | None, world: World) -> Call
     return lambda: clip_grad_norm_(params, 1.0, order, foreach=foreach)
 
 
-# Every max_norm form torch's clip takes: a float, or a one-element tensor anywhere.
-MAX_NORMS: dict[str, Callable[[], float | Tensor]] = {
-    "float": lambda: 1.0,
-    "CPU 0-dim": lambda: torch.tensor(1.0),
-    "CPU 1-element": lambda: torch.tensor([1.0]),
-    "CUDA 0-dim": lambda: torch.tensor(1.0, device="cuda"),
-    "CUDA 1-element": lambda: torch.ones(1, device="cuda"),
+# Every max_norm form torch's clip takes: a float, or a one-element tensor on the CPU or beside
+# the gradients ("CUDA": on the CPU too, when the same path runs on the CPU to compare).
+MAX_NORMS: dict[str, Callable[[str], float | Tensor]] = {
+    "float": lambda device: 1.0,
+    "CPU 0-dim": lambda device: torch.tensor(1.0),
+    "CPU 1-element": lambda device: torch.tensor([1.0]),
+    "CUDA 0-dim": lambda device: torch.tensor(1.0, device=device),
+    "CUDA 1-element": lambda device: torch.ones(1, device=device),
 }
 
 
-def _clip_max_norm(layout: str, kind: str, world: World) -> Call:
+def _clip_max_norm(layout: str, kind: str, foreach: bool, world: World) -> Call:
     params = world.params(layout)
-    max_norm = MAX_NORMS[kind]()
-    return lambda: clip_grad_norm_(params, max_norm)
+    max_norm = MAX_NORMS[kind](world.device)
+    return lambda: clip_grad_norm_(params, max_norm, foreach=foreach)
 
 
 def _pipeline_norm(order: float, world: World) -> Call:
@@ -248,10 +270,11 @@ def _nonfinite_error(what: str, world: World) -> Call:
     return lambda: clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
 
 
-def _scaler(scaling: bool = True) -> GradScaler:
-    """A GradScaler on CUDA: torch's constructor disables a "cuda" scaler without CUDA."""
+def _scaler(device: str, scaling: bool) -> GradScaler:
+    """A GradScaler on ``device``: torch's constructor disables a "cuda" scaler without CUDA,
+    which the fake world lacks."""
     with mock.patch.object(torch.cuda, "is_available", return_value=True):
-        return GradScaler("cuda", scaling=scaling)
+        return GradScaler(device, scaling=scaling)
 
 
 def _amp_step(
@@ -266,18 +289,19 @@ def _amp_step(
     ``update``."""
     params = world.params(layout)
     optimizer = _adamw(params, optimizer_kind)
-    scaler = _scaler(scaling)
-    scaler.scale(torch.ones((), device="cuda"))  # places the scale on the device
+    scaler = _scaler(world.device, scaling)
+    scaler.scale(torch.ones((), device=world.device))  # places the scale on the device
     pp_group = world.pp_dp["pp"] if layout == "pp" else None
 
-    def step() -> None:
+    def step() -> Tensor:
         scaler.unscale_(optimizer)
         if norm == "clip":
-            clip_grad_norm_(params, 1.0, pp_group=pp_group)
+            total = clip_grad_norm_(params, 1.0, pp_group=pp_group)
         else:
-            _total_grad_norm([p.grad for p in params], pp_group=pp_group)
+            total = _total_grad_norm([p.grad for p in params], pp_group=pp_group)
         scaler.step(optimizer)
         scaler.update()
+        return total
 
     return step
 
@@ -285,7 +309,11 @@ def _amp_step(
 def _average(layout: str, cap_mb: float, world: World) -> Call:
     # Plain replicas and one gradient larger than the small buckets; or FSDP2 shards on the dp
     # mesh, averaged over tp (orthogonal to their sharding).
-    grads = [*world.grads("plain"), _randn(300)] if layout == "plain" else world.grads("dp_shards")
+    grads = (
+        [*world.grads("plain"), world.tensor(300)]
+        if layout == "plain"
+        else world.grads("dp_shards")
+    )
     group = world.dp_tp["tp"]
     return lambda: allreduce_grads_avg(grads, group, bucket_cap_mb=cap_mb)
 
@@ -301,8 +329,13 @@ def _replicated_sync(world: World) -> Call:
 
 
 def _loss_average(world: World) -> Call:
-    loss = torch.ones((), device="cuda")
-    return lambda: all_reduce_avg(loss)
+    loss = world.tensor(1)
+
+    def average() -> Tensor:
+        all_reduce_avg(loss)
+        return loss
+
+    return average
 
 
 def _replica_check(optimizer_kind: str, world: World) -> Call:
@@ -322,7 +355,7 @@ def _get_total_norm(world: World) -> Call:
 
 def _clip_with_norm(world: World) -> Call:
     params = world.params("mixed")
-    total = torch.ones((), device="cuda")
+    total = world.tensor(value=8.0)
     return lambda: collectives.clip_grads_with_norm_(params, 1.0, total, None)
 
 
@@ -361,14 +394,13 @@ def _norm_rows() -> list[Row]:
                     Row(f"total_grad_norm {how}", partial(_total_norm, layout, order, foreach))
                 )
                 rows.append(Row(f"clip_grad_norm_ {how}", partial(_clip, layout, order, foreach)))
+        # A GPU takes the foreach path where foreach is None (fake tensors take the other).
         for kind in MAX_NORMS:
-            if kind != "float":
-                rows.append(
-                    Row(
-                        f"clip_grad_norm_ {layout}, max_norm {kind}",
-                        partial(_clip_max_norm, layout, kind),
-                    )
-                )
+            for foreach in (True, False):
+                if kind != "float":
+                    how = f"{layout}, max_norm {kind}, foreach={foreach}"
+                    build = partial(_clip_max_norm, layout, kind, foreach)
+                    rows.append(Row(f"clip_grad_norm_ {how}", build))
     return rows
 
 
@@ -492,7 +524,7 @@ def trace(row: Row, world: World) -> Traced:
 
 def _controls() -> dict[str, tuple[list[str], Callable[[], object]]]:
     """Snippets of torch, each with the syncs it makes on a GPU."""
-    x = _randn(8)
+    x = torch.randn(8, device="cuda")
     mask = x > 0
     ones = torch.ones(8, dtype=torch.long, device="cuda")
     return {
