@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 LAUNCH_TIMEOUT_S = 150
 RUNS = {
-    "4 gloo ranks on one GPU, fp16": ["--device", "cuda", "--amp", "fp16", "--verify-replicas", "2"],
+    "4 gloo ranks, fp16": ["--device", "cuda", "--amp", "fp16", "--verify-replicas", "2"],
     "1 NCCL rank": ["--backend", "nccl", "--dp", "1", "--tp", "1"],
 }
 
