@@ -27,8 +27,10 @@ from sync_trace import BLOCKING_COPY, CPU_COLLECTIVE, DEVICE_MISMATCH, KINDS, RE
 RANKS = (0, WORLD - 1)
 REQUIRED = "CREDIT_PARALLEL_REQUIRE_TRACE"
 REPORT = REPO / "build" / "host-syncs.txt"
-# A layout's first call proves its copies and may read and copy; far fewer than this, today.
-FIRST_CALL_BOUND = 24
+# A layout's first call proves its copies and may read and copy: at most 13 syncs today (the replica
+# check, grad_norm_report with pp_group); plans that build their constants on the device once, on
+# the first call, add a few.
+FIRST_CALL_BOUND = 32
 
 
 def _skip_unless_required(reason: str) -> None:
