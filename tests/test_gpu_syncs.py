@@ -1,8 +1,9 @@
 """On a real GPU: every steady-state path of the host-sync table under torch's sync debug mode,
 with the same bits as the same computation on the CPU.
 
-Skipped without CUDA, with the reason. On a machine with a GPU, from the repository's root, with
-nothing installed but torch and pytest (no venv, no editable install, no hypothesis)::
+Skipped without CUDA, with the reason (but for two tests of the comparison). On a machine with
+a GPU, from the repository's root, with nothing installed but torch and pytest (no venv, no
+editable install, no hypothesis)::
 
     PYTHONPATH=src python -m pytest tests/test_gpu_syncs.py tests/test_gpu_demo.py
 
@@ -25,6 +26,9 @@ the line that made it.
 NCCL, at one rank (one GPU holds one NCCL rank) in a process of its own, runs the paths of a
 world of one under "error": a sync raises where it happens. The paths that must read (the report,
 ``error_if_nonfinite``, a foreach optimizer's step) run under "warn" and must warn once.
+
+Two tests run everywhere: the comparison sees one changed bit, and the harness compares a path
+with itself on the CPU.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from credit.parallel.collectives import (
 from credit.parallel.norm_report import grad_norm_report
 from credit.parallel.replicas import verify_replicas
 
-pytestmark = pytest.mark.skipif(
+needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)"
 )
 
@@ -71,11 +75,11 @@ SYNC = "called a synchronizing CUDA operation"
 
 
 @contextlib.contextmanager
-def _sync_window(device: torch.device, mode: str) -> Iterator[list[str]]:
-    """torch's sync debug mode ``mode`` inside (CUDA only): "error" raises at a sync, "warn"
-    lists each sync of the calling thread as ``path:line: message``."""
+def _sync_window(mode: str) -> Iterator[list[str]]:
+    """torch's sync debug mode ``mode`` inside: "error" raises at a sync, "warn" lists each sync
+    of the calling thread as ``path:line: message``. Nothing without CUDA."""
     found: list[str] = []
-    if device.type != "cuda":
+    if not torch.cuda.is_available():
         yield found
         return
     torch.cuda.synchronize()  # nothing queued before the window counts in it
@@ -145,33 +149,35 @@ def _restore(tensors: list[Tensor], values: list[Tensor]) -> None:
 Build = Callable[[], tuple[Callable[[], object], list[Tensor]]]
 
 
-def _run_and_compare(builds: dict[str, Build], mode: str = "warn") -> dict[str, Any]:
-    """Build a path on "cuda" and on "cpu" (its call, and the gradients it works on), call each
-    :data:`CALLS` times, its gradients restored before each call, and the CUDA calls after the
-    first (the steady state) inside a sync window of ``mode``.
+def _run_and_compare(checked: Build, reference: Build, mode: str = "warn") -> dict[str, Any]:
+    """Build a path twice, ``checked`` on CUDA and ``reference`` on the CPU (each gives its call
+    and the gradients it works on), call each :data:`CALLS` times, its gradients restored before
+    each call, and the checked calls after the first (the steady state) inside a sync window of
+    ``mode``.
 
     Returns:
-        ``syncs`` (per steady-state CUDA call, the syncs warned) and ``differences`` (every bit
-        the CUDA run's results or gradients differ in from the CPU run's).
+        ``syncs`` (per steady-state checked call, the syncs warned) and ``differences`` (every
+        bit the checked run's results or gradients differ in from the reference run's).
 
     Raises:
         RuntimeError: in "error" mode, at the first sync.
     """
-    runs = {}
-    for device, build in builds.items():
+    runs = []
+    for build in (checked, reference):
         call, grads = build()
-        runs[device] = (call, grads, _snapshot(grads))
-    outputs: dict[str, list] = {device: [] for device in runs}
+        runs.append((call, grads, _snapshot(grads)))
+    outputs: list[list] = [[], []]
     syncs = []
     for number in range(CALLS):
-        for device, (call, grads, initial) in runs.items():
+        for run, (call, grads, initial) in enumerate(runs):
             _restore(grads, initial)
-            steady = number > 0 and device == "cuda"
-            with _sync_window(torch.device(device if steady else "cpu"), mode) as warned:
-                outputs[device].append(_snapshot([call(), grads]))
-            if steady:
+            if number > 0 and run == 0:
+                with _sync_window(mode) as warned:
+                    outputs[run].append(_snapshot([call(), grads]))
                 syncs.append(warned)
-    return {"syncs": syncs, "differences": _differences(outputs["cuda"], outputs["cpu"])}
+            else:
+                outputs[run].append(_snapshot([call(), grads]))
+    return {"syncs": syncs, "differences": _differences(*outputs)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +209,9 @@ def _every_row() -> dict[str, dict[str, Any]]:
             results[row.path] = {"missing": f"credit.parallel.collectives has no {row.needs}"}
             continue
         try:
-            results[row.path] = _run_and_compare({d: _row_builder(row, d) for d in ("cuda", "cpu")})
+            results[row.path] = _run_and_compare(
+                _row_builder(row, "cuda"), _row_builder(row, "cpu")
+            )
         except Exception:
             results[row.path] = {"error": traceback.format_exc()}
     return results
@@ -214,6 +222,7 @@ def gloo_results(ranks) -> list[dict[str, dict[str, Any]]]:
     return ranks.run(WORLD, _every_row, timeout_s=150)
 
 
+@needs_cuda
 @pytest.mark.parametrize("row", ROWS, ids=[row.path for row in ROWS])
 def test_steady_state_syncs_on_cuda_gloo_ranks(gloo_results, row: Row):
     failures = []
@@ -358,8 +367,8 @@ ONE_RANK: dict[str, tuple[int, Callable[[str], tuple[Callable[[], object], list[
 def _one_rank(path: str) -> dict[str, Any]:
     """``path`` at one NCCL rank: "error" mode where it must not sync, else every sync counted."""
     expected, build = ONE_RANK[path]
-    builds = {device: functools.partial(build, device) for device in ("cuda", "cpu")}
-    return _run_and_compare(builds, "warn" if expected else "error")
+    mode = "warn" if expected else "error"
+    return _run_and_compare(functools.partial(build, "cuda"), functools.partial(build, "cpu"), mode)
 
 
 def _nccl_world_of_one(store: str) -> dict[str, dict[str, Any]]:
@@ -386,6 +395,7 @@ def nccl_results() -> dict[str, dict[str, Any]]:
         return pool.apply_async(_nccl_world_of_one, (store,)).get(timeout=120)
 
 
+@needs_cuda
 @pytest.mark.parametrize("path", ONE_RANK)
 def test_steady_state_syncs_at_one_nccl_rank(nccl_results, path):
     expected = ONE_RANK[path][0]
@@ -396,3 +406,26 @@ def test_steady_state_syncs_at_one_nccl_rank(nccl_results, path):
     for number, syncs in enumerate(result["syncs"], start=2):
         assert len(syncs) == expected, f"{path}, call {number}: " + "; ".join(syncs)
     assert not result["differences"], "\n".join(result["differences"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the comparison itself, everywhere (without CUDA the checked run is on the CPU too)
+
+
+def test_the_comparison_sees_one_changed_bit():
+    value = torch.tensor([1.0, 2.0])
+    changed = value.clone()
+    changed[1] = torch.nextafter(changed[1], torch.tensor(3.0))
+    report = {"total": 1.5, "group": float("nan")}
+    assert _differences([value, report], [value.clone(), dict(report)]) == []
+    assert _differences([changed, report], [value, report]) != []
+    assert _differences([value, {**report, "total": 1.5000001}], [value, report]) != []
+    assert _differences([value, {**report, "group": 0.0}], [value, report]) != []
+
+
+def test_a_path_run_twice_on_the_cpu_compares_equal():
+    """The harness of the NCCL test, its checked run on the CPU: the same bits, no sync window."""
+    for path in ("clip_grad_norm_ max_norm float", "grad_norm_report", "verify_replicas"):
+        build = ONE_RANK[path][1]
+        result = _run_and_compare(functools.partial(build, "cpu"), functools.partial(build, "cpu"))
+        assert result == {"syncs": [[], []], "differences": []}, path
