@@ -34,9 +34,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from sync_trace import (
-    BLOCKING_COPY as COPY,
-)
-from sync_trace import (
+    BLOCKING_COPY,
     CPU_COLLECTIVE,
     DATA_DEPENDENT,
     DEVICE_MISMATCH,
@@ -119,6 +117,7 @@ class World:
             "fsdp": self._fsdp,
             "mixed": self._mixed,
             "dtensors": self._dtensors,
+            "buckets": self._buckets,
             "dp_shards": self._dp_shards,
             "domain": self._domain,
             "pp": self._pipeline,
@@ -171,6 +170,10 @@ class World:
             _shard(self.tensor(4, value=half), dp, [Shard(0)], (8,)),
             _shard(self.tensor(1 - dp_rank, 8), dp, [Shard(0)], (1, 8)),
         ]
+
+    def _buckets(self) -> list[Tensor]:
+        """Plain replicas, and one larger than a small bucket (reduced in place)."""
+        return [*self._plain(), self.tensor(300)]
 
     def _dp_shards(self) -> list[Tensor]:
         """FSDP2 shards on the dp mesh of (dp, tp): the same on both tp peers."""
@@ -307,15 +310,8 @@ def _amp_step(
 
 
 def _average(layout: str, cap_mb: float, world: World) -> Call:
-    # Plain replicas and one gradient larger than the small buckets; or FSDP2 shards on the dp
-    # mesh, averaged over tp (orthogonal to their sharding).
-    grads = (
-        [*world.grads("plain"), world.tensor(300)]
-        if layout == "plain"
-        else world.grads("dp_shards")
-    )
-    group = world.dp_tp["tp"]
-    return lambda: allreduce_grads_avg(grads, group, bucket_cap_mb=cap_mb)
+    grads = world.grads(layout)
+    return lambda: allreduce_grads_avg(grads, world.dp_tp["tp"], bucket_cap_mb=cap_mb)
 
 
 def _domain_sync(world: World) -> Call:
@@ -447,9 +443,9 @@ ROWS: tuple[Row, ...] = (
         partial(_amp_step, "dtensors", "foreach", "clip"),
         reads=1,
     ),
-    Row("allreduce_grads_avg plain, 25 MiB buckets", partial(_average, "plain", 25.0)),
-    Row("allreduce_grads_avg plain, 1 KiB buckets", partial(_average, "plain", 1 / 1024)),
-    Row("allreduce_grads_avg FSDP2 shards over tp", partial(_average, "fsdp_tp", 25.0)),
+    Row("allreduce_grads_avg plain, 25 MiB buckets", partial(_average, "buckets", 25.0)),
+    Row("allreduce_grads_avg plain, 1 KiB buckets", partial(_average, "buckets", 1 / 1024)),
+    Row("allreduce_grads_avg FSDP2 shards over tp", partial(_average, "dp_shards", 25.0)),
     Row("sync_domain_gradients", _domain_sync),
     Row("sync_replicated_gradients", _replicated_sync),
     Row("all_reduce_avg", _loss_average),
@@ -530,10 +526,13 @@ def _controls() -> dict[str, tuple[list[str], Callable[[], object]]]:
     return {
         "float(t)": ([READ], lambda: float(x.sum())),
         "t.tolist() (one sync)": ([READ], lambda: x.tolist()),
-        "torch.tensor(list, device='cuda')": ([COPY], lambda: torch.tensor([1.0], device="cuda")),
-        "cpu_t.to('cuda')": ([COPY], lambda: torch.ones(2).to("cuda")),
-        "t[list]": ([COPY], lambda: x[[0, 1]]),
-        "t[cpu index tensor]": ([COPY], lambda: x[torch.tensor([0, 1])]),
+        "torch.tensor(list, device='cuda')": (
+            [BLOCKING_COPY],
+            lambda: torch.tensor([1.0], device="cuda"),
+        ),
+        "cpu_t.to('cuda')": ([BLOCKING_COPY], lambda: torch.ones(2).to("cuda")),
+        "t[list]": ([BLOCKING_COPY], lambda: x[[0, 1]]),
+        "t[cpu index tensor]": ([BLOCKING_COPY], lambda: x[torch.tensor([0, 1])]),
         "t.nonzero()": ([DATA_DEPENDENT], lambda: x.nonzero()),
         "t[mask]": ([DATA_DEPENDENT], lambda: x[mask]),
         "repeat_interleave without output_size": (
