@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.installed-base
 DEV := $(VENV)/.installed-dev
 
-.PHONY: test lint typecheck unit demo bench docs clean test-torch test-compat
+.PHONY: test lint typecheck unit demo bench docs clean test-torch test-compat test-gpu
 
 # The supported torch range (pyproject.toml), tested by `make test-compat` at both ends.
 TORCH_FLOOR := 2.10.0
@@ -61,5 +61,10 @@ test-compat:
 	PIP_CONSTRAINT=/dev/null .venv-torch-$*/bin/python -m pip install --quiet torch==$* -e '.[dev,docs]'
 	touch $@
 
+# `make test-gpu`: the checks that need a CUDA GPU, with the interpreter at hand and nothing
+# installed but torch and pytest (tests/gpu_check.sh; the log goes to gpu-check.log).
+test-gpu:
+	PYTHON=$(PYTHON) tests/gpu_check.sh
+
 clean:
-	rm -rf $(VENV) .venv-torch-* docs/_build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-torch-* docs/_build .pytest_cache .mypy_cache .ruff_cache build gpu-check.log

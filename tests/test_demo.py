@@ -281,6 +281,12 @@ def test_bad_option_exits_2_before_launching() -> None:
         (["--amp", "fp16", "--nonfinite-step", "0"], "must be a positive integer, got 0"),
         (["--amp", "fp16", "--nonfinite-step", "11"], "--nonfinite-step 11 is past the last step"),
         (["--nonfinite-step", "2"], "--nonfinite-step needs --amp fp16 or --amp bf16"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs --device cuda"),
+        (
+            ["--device", "cuda", "--start-method", "fork"],
+            "--device cuda needs --start-method spawn or forkserver",
+        ),
     ],
 )
 def test_bad_options_fail_fast_with_a_clear_message(

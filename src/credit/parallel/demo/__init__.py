@@ -12,8 +12,9 @@ and prints, step by step, both losses and gradient norms and their relative diff
 verdict. The exit status is 0 when the run matches the replica within the tolerance.
 
 By default 4 gloo ranks on CPU (dp=2 x tp=2) are launched on this machine through torch's elastic
-launcher; started by ``torchrun`` (on one node or many), the command runs as the rank torchrun
-started instead.
+launcher; ``--device cuda`` puts their tensors on the GPUs there are (shared), ``--backend nccl``
+gives each rank a GPU of its own. Started by ``torchrun`` (on one node or many), the command runs
+as the rank torchrun started instead.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import TypeVar
 from credit.parallel.demo._config import ModelConfig
 
 BACKENDS = ("gloo", "nccl")
+DEVICES = ("cpu", "cuda")
 DOMAIN_SYNCS = ("in-backward", "explicit")
 # In backward: the same bits as explicit, and nothing left to run after backward.
 DEFAULT_DOMAIN_SYNC = "in-backward"
@@ -55,6 +56,7 @@ class Options:
     amp: str = "off"
     nonfinite_step: int | None = None  # the step (from 1) at which one rank plants an inf
     verify_replicas: int | None = None  # check every copy's bits every N steps (None: never)
+    device: str = "cpu"  # where the ranks' tensors live: "cuda" with nccl, either with gloo
 
     @property
     def world(self) -> int:
@@ -147,7 +149,13 @@ def _add_layout(group: argparse._ArgumentGroup) -> None:
         "--backend",
         choices=BACKENDS,
         default="gloo",
-        help="gloo (CPU) or nccl (one GPU per rank). Default: gloo",
+        help="gloo (CPU, or CUDA with --device cuda) or nccl (one GPU per rank). Default: gloo",
+    )
+    group.add_argument(
+        "--device",
+        choices=DEVICES,
+        help="where the ranks' tensors live: cuda with nccl; with gloo cpu, or cuda, where the "
+        "ranks share the GPUs there are (one is enough). Default: cuda with nccl, else cpu",
     )
 
 
@@ -214,11 +222,7 @@ def _resolve(args: argparse.Namespace, in_place: bool) -> Options:
     model = ModelConfig()
     _check_model_fit(args.tp, args.domain, model)
     dp = _in_place_dp(args) if in_place else (args.dp or DEFAULT_DP)
-    if args.backend == "nccl":
-        _check_cuda(int(os.environ.get("LOCAL_WORLD_SIZE", dp * args.tp * args.domain)))
-    start_method = args.start_method or (
-        "fork" if args.backend == "gloo" and sys.platform.startswith("linux") else "spawn"
-    )
+    device, start_method = _device_and_start_method(args, dp * args.tp * args.domain)
     return Options(
         amp=args.amp,
         nonfinite_step=_nonfinite_step(args),
@@ -231,6 +235,7 @@ def _resolve(args: argparse.Namespace, in_place: bool) -> Options:
         accum=args.accum,
         micro_batch=args.micro_batch,
         backend=args.backend,
+        device=device,
         optimizer=args.optimizer,
         lr=args.lr,
         max_norm=args.max_norm,
@@ -240,6 +245,25 @@ def _resolve(args: argparse.Namespace, in_place: bool) -> Options:
         in_place=in_place,
         model=model,
     )
+
+
+def _device_and_start_method(args: argparse.Namespace, world: int) -> tuple[str, str]:
+    """Where the ranks' tensors live and how the ranks start, checked against the GPUs here."""
+    device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
+    if args.backend == "nccl" and device != "cuda":
+        raise ValueError("--backend nccl needs --device cuda")
+    # A forked rank cannot initialise CUDA: ranks that use it are spawned.
+    start_method = args.start_method or (
+        "fork" if device == "cpu" and sys.platform.startswith("linux") else "spawn"
+    )
+    if start_method == "fork" and device == "cuda":
+        raise ValueError("--device cuda needs --start-method spawn or forkserver")
+    if args.backend == "nccl":
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        _check_cuda(ranks, f"--backend nccl needs one CUDA GPU per rank: {ranks} ranks")
+    elif device == "cuda":
+        _check_cuda(1, "--device cuda needs a CUDA GPU")
+    return device, start_method
 
 
 def _nonfinite_step(args: argparse.Namespace) -> int | None:
@@ -263,15 +287,13 @@ def _check_model_fit(tp: int, domain: int, model: ModelConfig) -> None:
         raise ValueError(f"--domain {domain}: more latitude bands than the grid's {model.lat} rows")
 
 
-def _check_cuda(ranks: int) -> None:
+def _check_cuda(gpus: int, need: str) -> None:
+    """ValueError (saying ``need``) unless this machine has ``gpus`` CUDA GPUs."""
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count < ranks:
-        raise ValueError(
-            f"--backend nccl needs one CUDA GPU per rank: {ranks} ranks on this machine, "
-            f"{count} GPUs"
-        )
+    if count < gpus:
+        raise ValueError(f"{need} on this machine, {count} GPUs")
 
 
 def _in_place_dp(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ def launch(options: Options) -> int:
     if options.start_method == "fork":
         # Imported by the optimizers on first use (~0.5 s): once here, not once per forked rank.
         importlib.import_module("torch._dynamo")
-    layout = f"{_report.layout_name(options)}, {options.backend}, {options.start_method}"
+    layout = f"{_report.layout_name(options)}, {_report.transport(options)}, {options.start_method}"
     _report.say(f"launching {_report.plural(options.world, 'rank')} ({layout}) ...")
     try:
         results = launch_local(

@@ -35,12 +35,18 @@ def layout_name(options: Options) -> str:
     return f"dp={options.dp} x tp={options.tp} x domain={options.domain}"
 
 
+def transport(options: Options) -> str:
+    """The backend, and the device where it is not the backend's own (gloo's CPU, nccl's CUDA)."""
+    own = "cuda" if options.backend == "nccl" else "cpu"
+    return options.backend if options.device == own else f"{options.backend} on {options.device}"
+
+
 def ready(options: Options, parameters: int, started: float) -> None:
     """The set-up, once the ranks are up."""
     m = options.model
     say(
         f"{plural(options.world, 'rank')} up in {time.perf_counter() - started:.1f} s "
-        f"({layout_name(options)}, {options.backend})"
+        f"({layout_name(options)}, {transport(options)})"
     )
     say(
         f"model: {m.depth} transformer blocks (dim {m.dim}, {m.heads} heads), {parameters:,} "

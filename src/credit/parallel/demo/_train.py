@@ -107,10 +107,14 @@ def quiet_torch() -> None:
 
 
 def _device(options: Options) -> torch.device:
-    if options.backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+    if options.device == "cuda":
+        # One GPU per rank under nccl; gloo ranks share the GPUs there are.
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        # The run is compared with its replica in float32: no TF32 rounding in matmuls or convs.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        return torch.device("cuda", index)
     torch.set_num_threads(1)
     return torch.device("cpu")
 
