@@ -303,6 +303,18 @@ def _() -> Case:
     return [q.grad for q in p], lambda: clip_grad_norm_([p[0], _meta_param(), p[1]], 1.0)
 
 
+@_case("clip max_norm meta tensor", RuntimeError, r"max_norm is on the meta device")
+def _() -> Case:
+    p = _params()
+    return [q.grad for q in p], lambda: clip_grad_norm_(p, torch.tensor(1.0, device="meta"))
+
+
+@_case("clip max_norm bool tensor", TypeError, r"max_norm must be a real number, got a tensor")
+def _() -> Case:
+    p = _params()
+    return [q.grad for q in p], lambda: clip_grad_norm_(p, torch.tensor(True))
+
+
 def _bad_call_raises_before_anything(name: str) -> tuple[str, str, bool, int]:
     build = CASES[name][0]
     watched, call = build()

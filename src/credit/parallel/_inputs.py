@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from credit.parallel._compat import local_tensor
 from credit.parallel._groups import GroupLike, group_ranks, is_distributed, resolve_group
 
 TensorOrTensors = Tensor | Iterable[Tensor]
@@ -122,22 +123,61 @@ def norm_order(norm_type: object) -> float:
     return order
 
 
-def check_max_norm(max_norm: float | Tensor) -> None:
-    """Reject a ``max_norm`` no clip can use: TypeError for a non-number, ValueError for a float
-    NaN or negative (torch would silently NaN or flip the grads) or a tensor of more than one
-    element. A tensor's value is not read (that would cost a host sync): the clip turns a NaN or
-    negative one into NaN gradients."""
+def clip_bound(max_norm: object) -> float | Tensor:
+    """``max_norm`` checked, in the form the clip's coefficient takes it: a float, or a 0-dim view
+    of a tensor's one element (see :func:`scalar_view`).
+
+    torch takes ``float(max_norm)``: any real number, or a tensor of one element whatever its
+    shape and dtype. A tensor's value is not read here (that would be a host sync on a GPU): the
+    clip turns a NaN or negative one into NaN gradients.
+
+    Raises:
+        TypeError: ``max_norm`` is not a real number (a bool, a string, a complex tensor), or a
+            DTensor whose value is not replicated.
+        ValueError: a number ``max_norm`` is NaN or negative (torch would silently NaN or flip the
+            gradients), or a tensor has more than one element (torch raises ValueError too).
+        RuntimeError: a tensor is on the meta device (torch raises RuntimeError too).
+    """
     if isinstance(max_norm, Tensor):
-        if max_norm.numel() != 1:
-            raise ValueError(f"max_norm must be a scalar, got a tensor of shape {max_norm.shape}")
-        if max_norm.is_complex():
-            raise TypeError(f"max_norm must be a real number, got a tensor of {max_norm.dtype}")
-        return
+        return scalar_view(max_norm, "max_norm")
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
         raise TypeError(f"max_norm must be a float or a scalar tensor, got {max_norm!r}")
     value = float(max_norm)
     if math.isnan(value) or value < 0:
         raise ValueError(f"max_norm must be a non-negative number, got {value}")
+    return value
+
+
+def scalar_view(tensor: Tensor, argument: str) -> Tensor:
+    """A 0-dim view of ``tensor``'s one real element, with no copy and no host read.
+
+    A DTensor whose placements are all Replicate holds its value on every rank of its mesh: its
+    local tensor is taken (the value torch's own clip multiplies by). One with a pending reduction
+    (Partial) holds only a term of it, which only a collective could complete.
+
+    Raises:
+        TypeError: ``tensor`` is complex or bool, or a DTensor that is not replicated.
+        ValueError: ``tensor`` has more than one element.
+        RuntimeError: ``tensor`` is on the meta device.
+    """
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"{argument} must be a scalar, got a tensor of shape {tuple(tensor.shape)}"
+        )
+    if tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"{argument} must be a real number, got a tensor of {tensor.dtype}")
+    if isinstance(tensor, DTensor):
+        if not all(placement.is_replicate() for placement in tensor.placements):
+            raise TypeError(
+                f"{argument} is a DTensor with placements {tensor.placements}: its value is "
+                "spread over the ranks of its mesh, and reading it would take a collective. "
+                f"Pass a plain tensor, e.g. {argument}.full_tensor(), or the norm of "
+                "credit.parallel.collectives.get_total_norm, which is one on any mix of meshes"
+            )
+        tensor = local_tensor(tensor)
+    if tensor.is_meta:
+        raise RuntimeError(f"{argument} is on the meta device and holds no value")
+    return tensor.detach().reshape(())
 
 
 def check_per_rank(

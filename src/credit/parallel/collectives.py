@@ -267,10 +267,12 @@ def clip_grad_norm_(
         parameters: tensor or iterable of tensors whose ``.grad`` is clipped in place; or a
             module, or ``(name, parameter)`` pairs (``model.named_parameters()``), so that errors
             name the parameters.
-        max_norm: max norm of the gradients (float or scalar tensor). A tensor may be computed
-            on the device from the gradients themselves and is not read on the host: a NaN or
-            negative one makes every gradient NaN (a GradScaler then skips the step), where
-            torch's clip would flip their signs.
+        max_norm: max norm of the gradients: every form torch takes (a float or an int, or a
+            real tensor of one element, of any shape, dtype and device). A tensor is never read
+            on the host nor copied to the gradients' device: it may be computed on the device
+            from the gradients themselves, and a CPU tensor enters the CUDA kernel as a scalar
+            operand, as torch's float does. A NaN or negative tensor makes every gradient NaN (a
+            GradScaler then skips the step), where torch's clip would flip their signs.
         norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
         error_if_nonfinite: raise RuntimeError, leaving every gradient unmodified, when the total
             norm is nan or inf. The norm is the same on every rank, so every rank raises.
@@ -287,13 +289,14 @@ def clip_grad_norm_(
         ``torch.nn.utils.clip_grad_norm_`` contract.
 
     Raises:
-        TypeError: as :func:`total_grad_norm`, or ``max_norm`` is not a number.
-        ValueError: as :func:`total_grad_norm`, or a float ``max_norm`` is NaN or negative, or
+        TypeError: as :func:`total_grad_norm`, or ``max_norm`` is not a real number (a bool, a
+            string, a complex tensor) or is a DTensor that is not replicated.
+        ValueError: as :func:`total_grad_norm`, or a number ``max_norm`` is NaN or negative, or
             a tensor ``max_norm`` has more than one element.
-        RuntimeError: as :func:`total_grad_norm`.
+        RuntimeError: as :func:`total_grad_norm`, or ``max_norm`` is on the meta device.
     """
     params, names = _inputs.parameter_list(parameters)
-    _inputs.check_max_norm(max_norm)
+    bound = _inputs.clip_bound(max_norm)
     grads = [grad for p in params if (grad := p.grad) is not None]
     request = _norms.request(
         grads,
@@ -308,7 +311,7 @@ def clip_grad_norm_(
         label=_parameter_label(params, names),
     )
     reduced = _total_norm(grads, request, error_if_nonfinite)
-    _scale_(reduced, max_norm, foreach)
+    _scale_(reduced.local, reduced.groups, reduced.total, bound, foreach)
     return reduced.total
 
 
@@ -335,13 +338,20 @@ def _total_norm(
     return reduced
 
 
-def _scale_(reduced: _norms.Reduced, max_norm: float | Tensor, foreach: bool | None) -> None:
-    """torch's ``clip_grads_with_norm_`` on the local shards of the gradients."""
-    if not reduced.local:
+def _scale_(
+    local: list[Tensor],
+    groups: list[tuple[torch.device, list[int]]],
+    total: Tensor,
+    max_norm: float | Tensor,
+    foreach: bool | None,
+) -> None:
+    """torch's ``clip_grads_with_norm_`` on the local tensors ``local``, grouped by (device,
+    dtype) in ``groups``; the listeners learn of the coefficient."""
+    if not local:
         return
-    clip_coef_clamped = _clip_coefficient(max_norm, reduced.total)
-    for device, indices in reduced.groups:
-        device_grads = [reduced.local[i] for i in indices]
+    clip_coef_clamped = _clip_coefficient(max_norm, total)
+    for device, indices in groups:
+        device_grads = [local[i] for i in indices]
         coef = clip_coef_clamped.to(device)
         if use_foreach(foreach, device_grads, device):
             torch._foreach_mul_(device_grads, coef)
@@ -349,25 +359,34 @@ def _scale_(reduced: _norms.Reduced, max_norm: float | Tensor, foreach: bool | N
             for grad in device_grads:
                 grad.mul_(coef)
     for listener in _norm_hooks.attached():
-        listener.scaled(reduced.local, clip_coef_clamped)
+        listener.scaled(local, clip_coef_clamped)
 
 
 def _clip_coefficient(max_norm: float | Tensor, total: Tensor) -> Tensor:
-    """torch's ``min(max_norm / (total + 1e-6), 1)``, with torch's bits.
+    """torch's ``min(max_norm / (total + 1e-6), 1)``, with torch's bits: a 0-dim tensor of
+    ``total``'s dtype on ``total``'s device.
 
-    A tensor ``max_norm`` is read where it lives, with no host sync, and a NaN or negative one
-    gives a NaN coefficient (every gradient NaN, never flipped). torch takes ``float(max_norm)``,
-    and ``float / tensor`` is ``tensor.reciprocal() * float`` with the float in the operation's
-    math dtype: the same operations here give the same bits.
+    torch takes ``float(max_norm)``, and ``float / tensor`` is ``tensor.reciprocal() * float``,
+    the float rounded to the operation's math dtype (float64 for float64, else float32) and the
+    product rounded to the tensor's dtype. A tensor ``max_norm`` (0-dim, see
+    ``_inputs.clip_bound``) enters the same product as its second operand, converted to the
+    math dtype by the kernel, so it is never read on the host, and a CPU one is never copied to
+    the device: a 0-dim CPU tensor is a scalar operand of a CUDA kernel, read at launch as
+    torch's float is. The reciprocal is made 1-element so that, in type promotion, the 0-dim
+    operand takes its dtype whatever its own (float64 or an integer included). A NaN or negative
+    tensor gives a NaN coefficient (every gradient NaN, never flipped): the product is
+    multiplied by 1 or NaN, which changes no other bit.
     """
     denominator = total + 1e-6
     if not isinstance(max_norm, Tensor):
         return torch.clamp(float(max_norm) / denominator, max=1.0)
+    bound = max_norm
+    if bound.device != denominator.device and bound.device.type != "cpu":
+        bound = bound.to(denominator.device)  # a CUDA one for CPU gradients: float() reads it too
     math_dtype = torch.float64 if denominator.dtype == torch.float64 else torch.float32
-    bound = max_norm.detach().to(device=denominator.device, dtype=math_dtype)
-    bound = torch.where(bound >= 0, bound, math.nan)
-    coefficient = (denominator.reciprocal().to(math_dtype) * bound).to(denominator.dtype)
-    return torch.clamp(coefficient, max=1.0)
+    reciprocal = denominator.reciprocal().to(math_dtype).reshape(1)
+    coefficient = reciprocal * bound * torch.where(bound >= 0, 1.0, math.nan)
+    return torch.clamp(coefficient.to(denominator.dtype), max=1.0).reshape(())
 
 
 @torch.no_grad()
