@@ -51,10 +51,13 @@ def module_parameters(model_or_params: nn.Module | TensorOrTensors) -> list[Tens
 
 def parameter_list(
     parameters: TensorOrTensors | nn.Module | Iterable[tuple[str, Tensor]],
+    *,
+    warn_if_empty_generator: bool = True,
 ) -> tuple[list[Tensor], list[str] | None]:
     """``parameters`` as a list, and their names where it has them (a module, or ``(name,
     tensor)`` pairs such as ``model.named_parameters()``), with torch's warning for an empty
-    generator."""
+    generator where torch's function gives it (its ``clip_grad_norm_``, not its
+    ``clip_grads_with_norm_``)."""
     if isinstance(parameters, nn.Module):
         named = list(parameters.named_parameters())
         return [param for _, param in named], [name for name, _ in named]
@@ -64,7 +67,7 @@ def parameter_list(
         if parameters and all(_is_named(item) for item in parameters):
             return [param for _, param in parameters], [name for name, _ in parameters]
     params = tensor_list(parameters, "parameters")
-    if is_generator and not params:
+    if warn_if_empty_generator and is_generator and not params:
         warnings.warn(
             "`parameters` is an empty generator, no gradient clipping will occur.",
             stacklevel=3,

@@ -20,7 +20,11 @@ from torch.distributed.tensor import DTensor
 
 from credit.parallel import _buckets, _inputs, _norm_hooks, _norms, _ownership
 from credit.parallel._compat import local_tensor
-from credit.parallel._foreach import group_by_device_and_dtype, use_foreach
+from credit.parallel._foreach import (
+    group_by_device_and_dtype,
+    group_indices_by_device_and_dtype,
+    use_foreach,
+)
 from credit.parallel._groups import (
     GroupLike,
     averaging,
@@ -34,7 +38,9 @@ __all__ = [
     "all_reduce_avg",
     "allreduce_grads_avg",
     "clip_grad_norm_",
+    "clip_grads_with_norm_",
     "contiguous_grads_",
+    "get_total_norm",
     "total_grad_norm",
 ]
 
@@ -234,11 +240,89 @@ def total_grad_norm(
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite, the ranks' shards do not
             add up to whole gradients, or the check failed (raised on every rank).
     """
-    grad_list = _inputs.tensor_list(grads, "grads")
-    request = _norms.request(
-        grad_list, norm_type, foreach, pp_group, distinct_along, dtype, check, per_rank=per_rank
+    return _norm_of(
+        _inputs.tensor_list(grads, "grads"),
+        "total_grad_norm",
+        norm_type,
+        error_if_nonfinite,
+        foreach,
+        pp_group,
+        distinct_along,
+        dtype,
+        check,
+        per_rank,
     )
-    return _total_norm(grad_list, request, error_if_nonfinite).total
+
+
+@torch.no_grad()
+def get_total_norm(
+    tensors: TensorOrTensors,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    pp_group: GroupLike = None,
+    distinct_along: DistinctAlong | None = None,
+    dtype: torch.dtype | None = None,
+    check: bool | None = None,
+    per_rank: bool = False,
+) -> Tensor:
+    """Mixed-mesh-safe drop-in for ``torch.nn.utils.get_total_norm``.
+
+    :func:`total_grad_norm` under torch's name and signature (``error_if_nonfinite`` and
+    ``foreach`` may be passed by position), for trainers that take the norm first and clip with
+    :func:`clip_grads_with_norm_` after, logging or reducing the norm in between. It costs the
+    clip's one collective, answers a :class:`~credit.parallel.amp.GradScaler`'s pending flag as
+    the clip does (when it covers the optimizer's gradients), and where torch works it returns
+    torch's bits: the same as torch's ``get_total_norm(...)`` on plain tensors, and as its
+    ``.full_tensor()`` on DTensors on a mesh spanning the world.
+
+    Args:
+        tensors: tensor or iterable of gradient tensors (dense or DTensor); None entries are
+            skipped.
+        norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
+        error_if_nonfinite: raise RuntimeError (on every rank) when the total norm is nan or inf.
+        foreach: use the foreach kernels; None uses them where the device supports them.
+        pp_group, distinct_along, dtype, check, per_rank: see :func:`total_grad_norm`.
+
+    Returns:
+        The total norm as a plain scalar tensor (never a DTensor), the same on every rank (with
+        ``per_rank``, this rank's): pass it to :func:`clip_grads_with_norm_`.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`total_grad_norm`, in the same cases.
+    """
+    return _norm_of(
+        _inputs.tensor_list(tensors, "tensors"),
+        "get_total_norm",
+        norm_type,
+        error_if_nonfinite,
+        foreach,
+        pp_group,
+        distinct_along,
+        dtype,
+        check,
+        per_rank,
+    )
+
+
+def _norm_of(
+    grads: list[Tensor],
+    what: str,
+    norm_type: float | str,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+    pp_group: GroupLike,
+    distinct_along: DistinctAlong | None,
+    dtype: torch.dtype | None,
+    check: bool | None,
+    per_rank: bool,
+) -> Tensor:
+    """The total norm of ``grads`` for the public function ``what``."""
+    request = _norms.request(
+        grads, norm_type, foreach, pp_group, distinct_along, dtype, check, what, per_rank=per_rank
+    )
+    return _total_norm(grads, request, error_if_nonfinite).total
 
 
 @torch.no_grad()
@@ -261,7 +345,8 @@ def clip_grad_norm_(
     scaled on its local shard by ``min(max_norm / (total_norm + 1e-6), 1)``, as torch does. The
     coefficient depends only on the global norm, so scaling shard by shard is exact. For plain
     tensors, and DTensors on a mesh spanning the world, the result and the clipped gradients have
-    the same bits as torch's.
+    the same bits as torch's. :func:`get_total_norm` followed by :func:`clip_grads_with_norm_`
+    leaves exactly the same gradients.
 
     Args:
         parameters: tensor or iterable of tensors whose ``.grad`` is clipped in place; or a
@@ -313,6 +398,67 @@ def clip_grad_norm_(
     reduced = _total_norm(grads, request, error_if_nonfinite)
     _scale_(reduced.local, reduced.groups, reduced.total, bound, foreach)
     return reduced.total
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(
+    parameters: TensorOrTensors | nn.Module | Iterable[tuple[str, Tensor]],
+    max_norm: float | Tensor,
+    total_norm: Tensor,
+    foreach: bool | None = None,
+) -> None:
+    """Mixed-mesh-safe drop-in for ``torch.nn.utils.clip_grads_with_norm_``.
+
+    Scales every gradient, plain or DTensor, on its local shard by
+    ``min(max_norm / (total_norm + 1e-6), 1)``, as torch does, with no collective and no host
+    sync. With the norm of :func:`get_total_norm` (or :func:`total_grad_norm`) it leaves exactly
+    the gradients :func:`clip_grad_norm_` leaves, on any mix of meshes; with plain tensors, and
+    DTensors on a mesh spanning the world, the same bits as torch's. A
+    :class:`~credit.parallel.amp.GradScaler` learns of the scaling as it does from the clip: a
+    coefficient that is not finite (a NaN or negative tensor ``max_norm``, a NaN norm) makes the
+    gradients it scales NaN, and their optimizers skip the step.
+
+    It issues no collective, so a rank that raises here leaves no other rank waiting; every
+    rank must pass the same ``max_norm`` and ``total_norm`` for the ranks to stay in step.
+
+    Args:
+        parameters: tensor or iterable of tensors whose ``.grad`` is scaled in place; or a module,
+            or ``(name, parameter)`` pairs.
+        max_norm: max norm of the gradients, in every form :func:`clip_grad_norm_` takes.
+        total_norm: the total norm of the gradients, a tensor of one element: the plain tensor
+            :func:`get_total_norm` returns. A DTensor whose placements are all Replicate (torch's
+            ``get_total_norm`` of a p-norm on one mesh) gives its local value, the one torch's
+            clip would use; one with a pending reduction (Partial: torch's inf norm) is refused.
+        foreach: use the foreach kernels; None uses them where the device supports them.
+
+    Raises:
+        TypeError: an entry is not a tensor, a gradient is not floating point, ``max_norm`` is
+            not a real number, ``total_norm`` is not a tensor, or either is a DTensor that is
+            not replicated (``total_norm.full_tensor()`` or the norm of
+            :func:`get_total_norm` is what to pass).
+        ValueError: a gradient is sparse or on the meta device, a number ``max_norm`` is NaN or
+            negative, or ``max_norm`` or ``total_norm`` has more than one element.
+        RuntimeError: ``max_norm`` or ``total_norm`` is on the meta device, or ``foreach=True``
+            on a device without foreach kernels.
+    """
+    params, _ = _inputs.parameter_list(parameters, warn_if_empty_generator=False)
+    bound = _inputs.clip_bound(max_norm)
+    if not isinstance(total_norm, Tensor):
+        raise TypeError(
+            "total_norm must be a tensor (the norm get_total_norm returns), "
+            f"got {type(total_norm).__name__}"
+        )
+    total = _inputs.scalar_view(total_norm, "total_norm")
+    grads = [grad for p in params if (grad := p.grad) is not None]
+    _inputs.check_grads(grads, "grads")
+    if not grads:
+        return
+    local = [local_tensor(grad) for grad in grads]
+    groups = [
+        (device, indices)
+        for (device, _), indices in group_indices_by_device_and_dtype(local).items()
+    ]
+    _scale_(local, groups, total, bound, foreach)
 
 
 def _parameter_label(params: list[Tensor], names: list[str] | None) -> Callable[[int], str]:
