@@ -87,31 +87,43 @@ def _is_named(item: object) -> bool:
 def check_grads(grads: list[Tensor], argument: str) -> None:
     """Reject gradients no reduction here can handle, naming the first offender.
 
-    Reads a few attributes of each tensor (a DTensor's describe its local shard): this runs on
-    every call, over thousands of grads.
-
     Raises:
         ValueError: a gradient is sparse (or another non-strided layout) or on the meta device.
         TypeError: a gradient is not floating point (integer and bool included).
     """
+    refusal = grads_refusal(grads, argument)
+    if refusal is not None:
+        kind, message = refusal
+        raise kind(message)
+
+
+def grads_refusal(grads: list[Tensor], argument: str) -> tuple[type[Exception], str] | None:
+    """The error :func:`check_grads` raises for ``grads``, or None when it raises none.
+
+    Reads a few attributes of each tensor (a DTensor's describe its local shard): this runs on
+    every call, over thousands of grads. What it refuses may differ across ranks (one rank's
+    gradient left on the meta device): the check mode hands it to the other ranks
+    (``_layout_check.refuse_on_every_rank``).
+    """
     for index, grad in enumerate(grads):
         if grad.layout != torch.strided:
-            raise ValueError(
+            return ValueError, (
                 f"{argument}[{index}] has layout {grad.layout}; only dense (strided) gradients "
                 "are supported: densify it with .to_dense() first"
             )
         if not (grad.dtype.is_floating_point or grad.dtype.is_complex):
-            raise TypeError(
+            return TypeError, (
                 f"{argument}[{index}] has dtype {grad.dtype}; only floating-point tensors can be "
                 "averaged or normed (integer and bool values would be truncated)"
             )
         if grad.is_meta:
             # A collective on a meta tensor is a silent no-op and its norm cannot be read back:
             # the "averaged" gradient would hold no data at all.
-            raise ValueError(
+            return ValueError, (
                 f"{argument}[{index}] is on the meta device and holds no data; materialise the "
                 "module (e.g. module.to_empty(device=...)) before reducing its gradients"
             )
+    return None
 
 
 def norm_order(norm_type: object) -> float:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _buckets, _inputs, _norm_hooks, _norms, _ownership
+from credit.parallel import _buckets, _inputs, _layout_check, _norm_hooks, _norms, _ownership
 from credit.parallel._compat import local_tensor
 from credit.parallel._foreach import (
     group_by_device_and_dtype,
@@ -28,7 +28,9 @@ from credit.parallel._foreach import (
 from credit.parallel._groups import (
     GroupLike,
     averaging,
+    collective_device,
     group_size,
+    is_distributed,
     resolve_group,
 )
 from credit.parallel._inputs import DistinctAlong, TensorOrTensors
@@ -204,6 +206,13 @@ def total_grad_norm(
     their own pass ``per_rank=True`` instead. DTensors on a mesh spanning the world (FSDP2 over
     every rank) give the same bits as torch's ``clip_grad_norm_(...).full_tensor()``.
 
+    A gradient refused on one rank only (left on the meta device, sparse, or of an integer dtype
+    there alone) raises on that rank before any collective; outside the check mode the other
+    ranks cannot know it without a collective of its own on every call (the norm's all_reduce
+    cannot carry it: one more element moves gloo's chunking, and with it the bits of the others),
+    so they wait in the norm's all_reduce until the process group's timeout. In the check mode
+    one more small all_reduce, before the others, makes every rank raise that rank's error.
+
     Args:
         grads: tensor or iterable of gradient tensors (dense or DTensor); None entries are skipped.
         norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
@@ -218,10 +227,10 @@ def total_grad_norm(
         dtype: accumulate per-gradient norms in this dtype (e.g. ``torch.float32`` for bf16
             grads). On CUDA the foreach kernels read the low-precision gradients directly; on CPU
             each gradient is upcast in turn (a transient copy of one gradient at a time).
-        check: verify first that the ranks of each stage passed the same layout, and verify the
-            copy counts and the copies' values on every call (two small collectives). It never
-            changes the result. Default: on when the environment variable
-            ``CREDIT_PARALLEL_CHECK=1`` is set.
+        check: verify first that no rank refuses a gradient and that the ranks of each stage
+            passed the same layout, and verify the copy counts and the copies' values on every
+            call (three small collectives). It never changes the result. Default: on when the
+            environment variable ``CREDIT_PARALLEL_CHECK=1`` is set.
         per_rank: each rank trains a model of its own: return the norm of this rank's plain
             gradients alone, as torch does without a process group, with no collective.
 
@@ -232,7 +241,8 @@ def total_grad_norm(
     Raises:
         TypeError: an entry is not a tensor, a gradient is not floating point, or ``norm_type`` is
             not a number.
-        ValueError: a gradient is sparse, ``norm_type`` is not positive for distributed
+        ValueError: a gradient is sparse or on the meta device (on the ranks that hold it; on
+            every rank in the check mode), ``norm_type`` is not positive for distributed
             gradients, a mesh, ``pp_group`` or ``distinct_along`` group does not fit the
             others, ranks taken for copies of a gradient hold different values (raised on every
             rank, naming the gradient, the ranks and the likely fix), or ``per_rank`` is passed
@@ -290,7 +300,8 @@ def get_total_norm(
         ``per_rank``, this rank's): pass it to :func:`clip_grads_with_norm_`.
 
     Raises:
-        TypeError, ValueError, RuntimeError: as :func:`total_grad_norm`, in the same cases.
+        TypeError, ValueError, RuntimeError: as :func:`total_grad_norm`, in the same cases (a
+            gradient refused on one rank only raises on every rank in the check mode alone).
     """
     return _norm_of(
         _inputs.tensor_list(tensors, "tensors"),
@@ -319,10 +330,25 @@ def _norm_of(
     per_rank: bool,
 ) -> Tensor:
     """The total norm of ``grads`` for the public function ``what``."""
+    _refuse_on_every_rank(grads, check, per_rank, what)
     request = _norms.request(
         grads, norm_type, foreach, pp_group, distinct_along, dtype, check, what, per_rank=per_rank
     )
     return _total_norm(grads, request, error_if_nonfinite).total
+
+
+def _refuse_on_every_rank(
+    grads: list[Tensor], check: bool | None, per_rank: bool, what: str
+) -> None:
+    """In the check mode, a gradient refused on one rank only raises on every rank, before any
+    other collective (see the notes of :func:`total_grad_norm`)."""
+    if per_rank or not check_enabled(check) or not is_distributed():
+        return
+    if dist.get_world_size() == 1:
+        return
+    refusal = _inputs.grads_refusal(grads, "grads")
+    device = collective_device([grad for grad in grads if not grad.is_meta])
+    _layout_check.refuse_on_every_rank(refusal, device, what)
 
 
 @torch.no_grad()
@@ -376,13 +402,15 @@ def clip_grad_norm_(
     Raises:
         TypeError: as :func:`total_grad_norm`, or ``max_norm`` is not a real number (a bool, a
             string, a complex tensor) or is a DTensor that is not replicated.
-        ValueError: as :func:`total_grad_norm`, or a number ``max_norm`` is NaN or negative, or
+        ValueError: as :func:`total_grad_norm` (a gradient refused on one rank only raises on
+            every rank in the check mode alone), or a number ``max_norm`` is NaN or negative, or
             a tensor ``max_norm`` has more than one element.
         RuntimeError: as :func:`total_grad_norm`, or ``max_norm`` is on the meta device.
     """
     params, names = _inputs.parameter_list(parameters)
     bound = _inputs.clip_bound(max_norm)
     grads = [grad for p in params if (grad := p.grad) is not None]
+    _refuse_on_every_rank(grads, check, per_rank, "clip_grad_norm_")
     request = _norms.request(
         grads,
         norm_type,
