@@ -379,11 +379,13 @@ def clip_grad_norm_(
             module, or ``(name, parameter)`` pairs (``model.named_parameters()``), so that errors
             name the parameters.
         max_norm: max norm of the gradients: every form torch takes (a float or an int, or a
-            real tensor of one element, of any shape, dtype and device). A tensor is never read
-            on the host nor copied to the gradients' device: it may be computed on the device
-            from the gradients themselves, and a CPU tensor enters the CUDA kernel as a scalar
-            operand, as torch's float does. A NaN or negative tensor makes every gradient NaN (a
-            GradScaler then skips the step), where torch's clip would flip their signs.
+            real tensor of one element, of any shape, dtype and device). A tensor on the CPU or
+            on the gradients' device is never read on the host nor copied: it may be computed on
+            the device from the gradients themselves, and a CPU tensor enters the CUDA kernel as
+            a scalar operand, as torch's float does (only a CUDA tensor for CPU gradients is
+            copied to them, where torch's ``float()`` reads it too). A NaN or negative tensor
+            makes every gradient NaN (a GradScaler then skips the step), where torch's clip would
+            flip their signs.
         norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
         error_if_nonfinite: raise RuntimeError, leaving every gradient unmodified, when the total
             norm is nan or inf. The norm is the same on every rank, so every rank raises.
