@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,7 +20,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor.debug import CommDebugMode
 
 from credit.parallel._layout_check import ENV_VAR, verify_same_layout
-from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+from credit.parallel.collectives import (
+    allreduce_grads_avg,
+    clip_grad_norm_,
+    get_total_norm,
+    total_grad_norm,
+)
 
 WORLD = 4
 ODD_RANK = 3  # the rank whose layout differs
@@ -156,8 +162,9 @@ def _collectives_with_and_without_check(function: str) -> dict[str, dict[str, in
 
 
 # Added by the check: one all_reduce of a few int64 for averaging (MAX of the layout digest and of
-# its negation); for the norms that one and the self-check's, which runs on every checked call.
-CHECK_COLLECTIVES = {"allreduce_grads_avg": 1, "total_grad_norm": 2, "clip_grad_norm_": 2}
+# its negation); for the norms that one, the self-check's, which runs on every checked call, and
+# one int64 first that hands a gradient one rank refuses (on the meta device) to every rank.
+CHECK_COLLECTIVES = {"allreduce_grads_avg": 1, "total_grad_norm": 3, "clip_grad_norm_": 3}
 
 
 @pytest.mark.parametrize("function", FUNCTIONS)
@@ -224,3 +231,57 @@ def test_check_names_differing_arguments_across_stages(ranks):
         assert message is not None
         assert "ranks passed different arguments" in message
         assert "rank 0 has norm_type=2.0, rank 2 has norm_type=1.0" in message
+
+
+# --- a gradient one rank refuses ---------------------------------------------------------------
+
+REFUSING_RANK = 2
+
+
+def _one_rank_refuses() -> list[tuple[str, str, str, bool]]:
+    """Rank 2 alone passes a gradient on the meta device (to each norm and to the clip), or of an
+    integer dtype (to total_grad_norm). Without the check it would raise alone while the others
+    wait in the norm's all_reduce; with it every rank raises its error."""
+    generator = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(5))]
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator)
+    meta = nn.Parameter(torch.zeros(5, device="meta"))
+    meta.grad = torch.ones(5, device="meta")
+    odd = dist.get_rank() == REFUSING_RANK
+    mine = [params[0], meta] if odd else params
+    grads = [p.grad for p in mine]
+    integer = [grads[0], torch.ones(5, dtype=torch.int64)] if odd else grads
+    before = [local_bytes(p.grad) for p in params]
+    calls: dict[str, Callable[[], object]] = {
+        "total_grad_norm": lambda: total_grad_norm(grads, check=True),
+        "get_total_norm": lambda: get_total_norm(grads, check=True),
+        "clip_grad_norm_": lambda: clip_grad_norm_(mine, 0.01, check=True),
+        "total_grad_norm integer": lambda: total_grad_norm(integer, check=True),
+    }
+    results = []
+    for name, call in calls.items():
+        with pytest.raises((ValueError, TypeError)) as raised:
+            call()
+        unchanged = all(
+            torch.equal(b, local_bytes(p.grad)) for b, p in zip(before, params, strict=True)
+        )
+        results.append((name, type(raised.value).__name__, str(raised.value), unchanged))
+    alive = torch.ones(())
+    dist.all_reduce(alive)
+    assert alive.item() == WORLD
+    return results
+
+
+def test_a_gradient_one_rank_refuses_raises_on_every_rank(ranks):
+    results = ranks.run(WORLD, _one_rank_refuses)
+    assert all(r == results[0] for r in results), "the ranks raised different errors"
+    for name, kind, message, unchanged in results[0]:
+        function = name.split()[0]
+        assert message.startswith(f"{function}: on rank {REFUSING_RANK}, grads[1] "), message
+        if name.endswith("integer"):
+            assert kind == "TypeError" and "has dtype torch.int64" in message, message
+        else:
+            assert kind == "ValueError" and "is on the meta device" in message, message
+        assert message.endswith("No gradient was modified."), message
+        assert unchanged, name

@@ -30,6 +30,8 @@ from credit.parallel.collectives import (
     all_reduce_avg,
     allreduce_grads_avg,
     clip_grad_norm_,
+    clip_grads_with_norm_,
+    get_total_norm,
     total_grad_norm,
 )
 
@@ -301,6 +303,52 @@ def _() -> Case:
 def _() -> Case:
     p = _params()
     return [q.grad for q in p], lambda: clip_grad_norm_([p[0], _meta_param(), p[1]], 1.0)
+
+
+@_case("clip max_norm meta tensor", RuntimeError, r"max_norm is on the meta device")
+def _() -> Case:
+    p = _params()
+    return [q.grad for q in p], lambda: clip_grad_norm_(p, torch.tensor(1.0, device="meta"))
+
+
+@_case("clip max_norm bool tensor", TypeError, r"max_norm must be a real number, got a tensor")
+def _() -> Case:
+    p = _params()
+    return [q.grad for q in p], lambda: clip_grad_norm_(p, torch.tensor(True))
+
+
+# get_total_norm and clip_grads_with_norm_ ------------------------------------------------------
+
+
+@_case("get_total_norm grads meta", ValueError, r"grads\[1\] is on the meta device")
+def _() -> Case:
+    g = _grads()
+    return g, lambda: get_total_norm([g[0], torch.ones(2, device="meta")])
+
+
+@_case("get_total_norm type string", TypeError, r"norm_type must be a real number or 'inf'")
+def _() -> Case:
+    g = _grads()
+    return g, lambda: get_total_norm(g, "two")
+
+
+@_case("split clip max_norm negative", ValueError, r"max_norm must be a non-negative number")
+def _() -> Case:
+    p = _params()
+    return [q.grad for q in p], lambda: clip_grads_with_norm_(p, -1.0, torch.tensor(2.0))
+
+
+@_case("split clip total_norm float", TypeError, r"total_norm must be a tensor .*got float")
+def _() -> Case:
+    p = _params()
+    return [q.grad for q in p], lambda: clip_grads_with_norm_(p, 1.0, 2.0)  # type: ignore[arg-type]
+
+
+@_case("split clip meta grad", ValueError, r"grads\[1\] is on the meta device")
+def _() -> Case:
+    p = _params()
+    grads = [q.grad for q in p]
+    return grads, lambda: clip_grads_with_norm_([p[0], _meta_param(), p[1]], 1.0, torch.ones(()))
 
 
 def _bad_call_raises_before_anything(name: str) -> tuple[str, str, bool, int]:

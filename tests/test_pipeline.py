@@ -255,8 +255,8 @@ def test_stage_without_dtensor_grads_joins_the_same_collective(ranks, kind, pp_a
         for norm_type, distance, same_bits, collectives in rank_results:
             assert distance <= TOLERANCE_ULP, f"{kind} p={norm_type}: {distance} ULP"
             assert same_bits
-            # the check's layout digest and its verification of the copies, beside the norm
-            assert collectives == 1 + 2 * check
+            # with the check: its refusals' flag, layout digest and verification of the copies
+            assert collectives == 1 + 3 * check
 
 
 def _stages_with_different_dtypes() -> tuple[int, bool, str]:

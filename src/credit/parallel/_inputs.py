@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from credit.parallel._compat import local_tensor
 from credit.parallel._groups import GroupLike, group_ranks, is_distributed, resolve_group
 
 TensorOrTensors = Tensor | Iterable[Tensor]
@@ -50,10 +51,13 @@ def module_parameters(model_or_params: nn.Module | TensorOrTensors) -> list[Tens
 
 def parameter_list(
     parameters: TensorOrTensors | nn.Module | Iterable[tuple[str, Tensor]],
+    *,
+    warn_if_empty_generator: bool = True,
 ) -> tuple[list[Tensor], list[str] | None]:
     """``parameters`` as a list, and their names where it has them (a module, or ``(name,
     tensor)`` pairs such as ``model.named_parameters()``), with torch's warning for an empty
-    generator."""
+    generator where torch's function gives it (its ``clip_grad_norm_``, not its
+    ``clip_grads_with_norm_``)."""
     if isinstance(parameters, nn.Module):
         named = list(parameters.named_parameters())
         return [param for _, param in named], [name for name, _ in named]
@@ -63,7 +67,7 @@ def parameter_list(
         if parameters and all(_is_named(item) for item in parameters):
             return [param for _, param in parameters], [name for name, _ in parameters]
     params = tensor_list(parameters, "parameters")
-    if is_generator and not params:
+    if warn_if_empty_generator and is_generator and not params:
         warnings.warn(
             "`parameters` is an empty generator, no gradient clipping will occur.",
             stacklevel=3,
@@ -83,31 +87,43 @@ def _is_named(item: object) -> bool:
 def check_grads(grads: list[Tensor], argument: str) -> None:
     """Reject gradients no reduction here can handle, naming the first offender.
 
-    Reads a few attributes of each tensor (a DTensor's describe its local shard): this runs on
-    every call, over thousands of grads.
-
     Raises:
         ValueError: a gradient is sparse (or another non-strided layout) or on the meta device.
         TypeError: a gradient is not floating point (integer and bool included).
     """
+    refusal = grads_refusal(grads, argument)
+    if refusal is not None:
+        kind, message = refusal
+        raise kind(message)
+
+
+def grads_refusal(grads: list[Tensor], argument: str) -> tuple[type[Exception], str] | None:
+    """The error :func:`check_grads` raises for ``grads``, or None when it raises none.
+
+    Reads a few attributes of each tensor (a DTensor's describe its local shard): this runs on
+    every call, over thousands of grads. What it refuses may differ across ranks (one rank's
+    gradient left on the meta device): the check mode hands it to the other ranks
+    (``_layout_check.refuse_on_every_rank``).
+    """
     for index, grad in enumerate(grads):
         if grad.layout != torch.strided:
-            raise ValueError(
+            return ValueError, (
                 f"{argument}[{index}] has layout {grad.layout}; only dense (strided) gradients "
                 "are supported: densify it with .to_dense() first"
             )
         if not (grad.dtype.is_floating_point or grad.dtype.is_complex):
-            raise TypeError(
+            return TypeError, (
                 f"{argument}[{index}] has dtype {grad.dtype}; only floating-point tensors can be "
                 "averaged or normed (integer and bool values would be truncated)"
             )
         if grad.is_meta:
             # A collective on a meta tensor is a silent no-op and its norm cannot be read back:
             # the "averaged" gradient would hold no data at all.
-            raise ValueError(
+            return ValueError, (
                 f"{argument}[{index}] is on the meta device and holds no data; materialise the "
                 "module (e.g. module.to_empty(device=...)) before reducing its gradients"
             )
+    return None
 
 
 def norm_order(norm_type: object) -> float:
@@ -122,22 +138,61 @@ def norm_order(norm_type: object) -> float:
     return order
 
 
-def check_max_norm(max_norm: float | Tensor) -> None:
-    """Reject a ``max_norm`` no clip can use: TypeError for a non-number, ValueError for a float
-    NaN or negative (torch would silently NaN or flip the grads) or a tensor of more than one
-    element. A tensor's value is not read (that would cost a host sync): the clip turns a NaN or
-    negative one into NaN gradients."""
+def clip_bound(max_norm: object) -> float | Tensor:
+    """``max_norm`` checked, in the form the clip's coefficient takes it: a float, or a 0-dim view
+    of a tensor's one element (see :func:`scalar_view`).
+
+    torch takes ``float(max_norm)``: any real number, or a tensor of one element whatever its
+    shape and dtype. A tensor's value is not read here (that would be a host sync on a GPU): the
+    clip turns a NaN or negative one into NaN gradients.
+
+    Raises:
+        TypeError: ``max_norm`` is not a real number (a bool, a string, a complex tensor), or a
+            DTensor whose value is not replicated.
+        ValueError: a number ``max_norm`` is NaN or negative (torch would silently NaN or flip the
+            gradients), or a tensor has more than one element (torch raises ValueError too).
+        RuntimeError: a tensor is on the meta device (torch raises RuntimeError too).
+    """
     if isinstance(max_norm, Tensor):
-        if max_norm.numel() != 1:
-            raise ValueError(f"max_norm must be a scalar, got a tensor of shape {max_norm.shape}")
-        if max_norm.is_complex():
-            raise TypeError(f"max_norm must be a real number, got a tensor of {max_norm.dtype}")
-        return
+        return scalar_view(max_norm, "max_norm")
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
         raise TypeError(f"max_norm must be a float or a scalar tensor, got {max_norm!r}")
     value = float(max_norm)
     if math.isnan(value) or value < 0:
         raise ValueError(f"max_norm must be a non-negative number, got {value}")
+    return value
+
+
+def scalar_view(tensor: Tensor, argument: str) -> Tensor:
+    """A 0-dim view of ``tensor``'s one real element, with no copy and no host read.
+
+    A DTensor whose placements are all Replicate holds its value on every rank of its mesh: its
+    local tensor is taken (the value torch's own clip multiplies by). One with a pending reduction
+    (Partial) holds only a term of it, which only a collective could complete.
+
+    Raises:
+        TypeError: ``tensor`` is complex or bool, or a DTensor that is not replicated.
+        ValueError: ``tensor`` has more than one element.
+        RuntimeError: ``tensor`` is on the meta device.
+    """
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"{argument} must be a scalar, got a tensor of shape {tuple(tensor.shape)}"
+        )
+    if tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"{argument} must be a real number, got a tensor of {tensor.dtype}")
+    if isinstance(tensor, DTensor):
+        if not all(placement.is_replicate() for placement in tensor.placements):
+            raise TypeError(
+                f"{argument} is a DTensor with placements {tensor.placements}: its value is "
+                "spread over the ranks of its mesh, and reading it would take a collective. "
+                f"Pass a plain tensor, e.g. {argument}.full_tensor(), or the norm of "
+                "credit.parallel.collectives.get_total_norm, which is one on any mix of meshes"
+            )
+        tensor = local_tensor(tensor)
+    if tensor.is_meta:
+        raise RuntimeError(f"{argument} is on the meta device and holds no value")
+    return tensor.detach().reshape(())
 
 
 def check_per_rank(

@@ -11,6 +11,10 @@ their own, so ranks are compared with the other ranks of their stage only, while
 (arguments such as the norm type) are compared across all stages.
 
 Averaging also runs the check, without the opt-in, on the first call for each layout and group.
+
+A gradient that one rank refuses on its own (left on the meta device, sparse, of an integer dtype)
+would make that rank raise while the others wait in the next collective: before the norms' check,
+:func:`refuse_on_every_rank` hands the refusal of the lowest such rank to every rank.
 """
 
 from __future__ import annotations
@@ -127,3 +131,32 @@ def _describe_mismatch(everyone: dict[int, tuple[int, str, list[str]]], what: st
                     f"rank {rank} passed {len(other)}). No gradient was modified."
                 )
     return f"{what}: ranks passed different gradient layouts. No gradient was modified."
+
+
+def refuse_on_every_rank(
+    refusal: tuple[type[Exception], str] | None, device: torch.device, what: str
+) -> None:
+    """Raise the refusal of the lowest rank that has one, on every rank of the world.
+
+    One all_reduce (MAX) of one int64 tells every rank which rank that is; only when there is one
+    does that rank's message follow (a broadcast), so every rank raises the same error.
+
+    Args:
+        refusal: this rank's ``(exception type, message)``, or None.
+        device: where the flag lives (beside this rank's gradients, the CUDA device under NCCL).
+        what: the function being checked, for the message.
+
+    Raises:
+        The refusal's exception type, on every rank, naming the rank that refused.
+    """
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    flag = torch.tensor([world - rank if refusal is not None else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    refusing = world - int(flag.item())
+    if refusing == world:
+        return
+    shared = [refusal]
+    dist.broadcast_object_list(shared, src=refusing, device=device)
+    kind, message = shared[0]  # type: ignore[misc]
+    raise kind(f"{what}: on rank {refusing}, {message}. No gradient was modified.")

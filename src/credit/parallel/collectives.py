@@ -18,13 +18,19 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _buckets, _inputs, _norm_hooks, _norms, _ownership
+from credit.parallel import _buckets, _inputs, _layout_check, _norm_hooks, _norms, _ownership
 from credit.parallel._compat import local_tensor
-from credit.parallel._foreach import group_by_device_and_dtype, use_foreach
+from credit.parallel._foreach import (
+    group_by_device_and_dtype,
+    group_indices_by_device_and_dtype,
+    use_foreach,
+)
 from credit.parallel._groups import (
     GroupLike,
     averaging,
+    collective_device,
     group_size,
+    is_distributed,
     resolve_group,
 )
 from credit.parallel._inputs import DistinctAlong, TensorOrTensors
@@ -34,7 +40,9 @@ __all__ = [
     "all_reduce_avg",
     "allreduce_grads_avg",
     "clip_grad_norm_",
+    "clip_grads_with_norm_",
     "contiguous_grads_",
+    "get_total_norm",
     "total_grad_norm",
 ]
 
@@ -198,6 +206,13 @@ def total_grad_norm(
     their own pass ``per_rank=True`` instead. DTensors on a mesh spanning the world (FSDP2 over
     every rank) give the same bits as torch's ``clip_grad_norm_(...).full_tensor()``.
 
+    A gradient refused on one rank only (left on the meta device, sparse, or of an integer dtype
+    there alone) raises on that rank before any collective; outside the check mode the other
+    ranks cannot know it without a collective of its own on every call (the norm's all_reduce
+    cannot carry it: one more element moves gloo's chunking, and with it the bits of the others),
+    so they wait in the norm's all_reduce until the process group's timeout. In the check mode
+    one more small all_reduce, before the others, makes every rank raise that rank's error.
+
     Args:
         grads: tensor or iterable of gradient tensors (dense or DTensor); None entries are skipped.
         norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
@@ -212,10 +227,10 @@ def total_grad_norm(
         dtype: accumulate per-gradient norms in this dtype (e.g. ``torch.float32`` for bf16
             grads). On CUDA the foreach kernels read the low-precision gradients directly; on CPU
             each gradient is upcast in turn (a transient copy of one gradient at a time).
-        check: verify first that the ranks of each stage passed the same layout, and verify the
-            copy counts and the copies' values on every call (two small collectives). It never
-            changes the result. Default: on when the environment variable
-            ``CREDIT_PARALLEL_CHECK=1`` is set.
+        check: verify first that no rank refuses a gradient and that the ranks of each stage
+            passed the same layout, and verify the copy counts and the copies' values on every
+            call (three small collectives). It never changes the result. Default: on when the
+            environment variable ``CREDIT_PARALLEL_CHECK=1`` is set.
         per_rank: each rank trains a model of its own: return the norm of this rank's plain
             gradients alone, as torch does without a process group, with no collective.
 
@@ -226,7 +241,8 @@ def total_grad_norm(
     Raises:
         TypeError: an entry is not a tensor, a gradient is not floating point, or ``norm_type`` is
             not a number.
-        ValueError: a gradient is sparse, ``norm_type`` is not positive for distributed
+        ValueError: a gradient is sparse or on the meta device (on the ranks that hold it; on
+            every rank in the check mode), ``norm_type`` is not positive for distributed
             gradients, a mesh, ``pp_group`` or ``distinct_along`` group does not fit the
             others, ranks taken for copies of a gradient hold different values (raised on every
             rank, naming the gradient, the ranks and the likely fix), or ``per_rank`` is passed
@@ -234,11 +250,105 @@ def total_grad_norm(
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite, the ranks' shards do not
             add up to whole gradients, or the check failed (raised on every rank).
     """
-    grad_list = _inputs.tensor_list(grads, "grads")
-    request = _norms.request(
-        grad_list, norm_type, foreach, pp_group, distinct_along, dtype, check, per_rank=per_rank
+    return _norm_of(
+        _inputs.tensor_list(grads, "grads"),
+        "total_grad_norm",
+        norm_type,
+        error_if_nonfinite,
+        foreach,
+        pp_group,
+        distinct_along,
+        dtype,
+        check,
+        per_rank,
     )
-    return _total_norm(grad_list, request, error_if_nonfinite).total
+
+
+@torch.no_grad()
+def get_total_norm(
+    tensors: TensorOrTensors,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    pp_group: GroupLike = None,
+    distinct_along: DistinctAlong | None = None,
+    dtype: torch.dtype | None = None,
+    check: bool | None = None,
+    per_rank: bool = False,
+) -> Tensor:
+    """Mixed-mesh-safe drop-in for ``torch.nn.utils.get_total_norm``.
+
+    :func:`total_grad_norm` under torch's name and signature (``error_if_nonfinite`` and
+    ``foreach`` may be passed by position), for trainers that take the norm first and clip with
+    :func:`clip_grads_with_norm_` after, logging or reducing the norm in between. It costs the
+    clip's one collective, answers a :class:`~credit.parallel.amp.GradScaler`'s pending flag as
+    the clip does (when it covers the optimizer's gradients), and where torch works it returns
+    torch's bits: the same as torch's ``get_total_norm(...)`` on plain tensors, and as its
+    ``.full_tensor()`` on DTensors on a mesh spanning the world.
+
+    Args:
+        tensors: tensor or iterable of gradient tensors (dense or DTensor); None entries are
+            skipped.
+        norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
+        error_if_nonfinite: raise RuntimeError (on every rank) when the total norm is nan or inf.
+        foreach: use the foreach kernels; None uses them where the device supports them.
+        pp_group, distinct_along, dtype, check, per_rank: see :func:`total_grad_norm`.
+
+    Returns:
+        The total norm as a plain scalar tensor (never a DTensor), the same on every rank (with
+        ``per_rank``, this rank's): pass it to :func:`clip_grads_with_norm_`.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`total_grad_norm`, in the same cases (a
+            gradient refused on one rank only raises on every rank in the check mode alone).
+    """
+    return _norm_of(
+        _inputs.tensor_list(tensors, "tensors"),
+        "get_total_norm",
+        norm_type,
+        error_if_nonfinite,
+        foreach,
+        pp_group,
+        distinct_along,
+        dtype,
+        check,
+        per_rank,
+    )
+
+
+def _norm_of(
+    grads: list[Tensor],
+    what: str,
+    norm_type: float | str,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+    pp_group: GroupLike,
+    distinct_along: DistinctAlong | None,
+    dtype: torch.dtype | None,
+    check: bool | None,
+    per_rank: bool,
+) -> Tensor:
+    """The total norm of ``grads`` for the public function ``what``."""
+    _refuse_on_every_rank(grads, check, per_rank, what)
+    request = _norms.request(
+        grads, norm_type, foreach, pp_group, distinct_along, dtype, check, what, per_rank=per_rank
+    )
+    return _total_norm(grads, request, error_if_nonfinite).total
+
+
+def _refuse_on_every_rank(
+    grads: list[Tensor], check: bool | None, per_rank: bool, what: str
+) -> None:
+    """In the check mode, a gradient refused on one rank only raises on every rank, before any
+    other collective (see the notes of :func:`total_grad_norm`)."""
+    if per_rank or not check_enabled(check) or not is_distributed():
+        return
+    if dist.get_world_size() == 1:
+        return
+    refusal = _inputs.grads_refusal(grads, "grads")
+    device = collective_device([grad for grad in grads if not grad.is_meta])
+    _layout_check.refuse_on_every_rank(refusal, device, what)
 
 
 @torch.no_grad()
@@ -261,16 +371,21 @@ def clip_grad_norm_(
     scaled on its local shard by ``min(max_norm / (total_norm + 1e-6), 1)``, as torch does. The
     coefficient depends only on the global norm, so scaling shard by shard is exact. For plain
     tensors, and DTensors on a mesh spanning the world, the result and the clipped gradients have
-    the same bits as torch's.
+    the same bits as torch's. :func:`get_total_norm` followed by :func:`clip_grads_with_norm_`
+    leaves exactly the same gradients.
 
     Args:
         parameters: tensor or iterable of tensors whose ``.grad`` is clipped in place; or a
             module, or ``(name, parameter)`` pairs (``model.named_parameters()``), so that errors
             name the parameters.
-        max_norm: max norm of the gradients (float or scalar tensor). A tensor may be computed
-            on the device from the gradients themselves and is not read on the host: a NaN or
-            negative one makes every gradient NaN (a GradScaler then skips the step), where
-            torch's clip would flip their signs.
+        max_norm: max norm of the gradients: every form torch takes (a float or an int, or a
+            real tensor of one element, of any shape, dtype and device). A tensor on the CPU or
+            on the gradients' device is never read on the host nor copied: it may be computed on
+            the device from the gradients themselves, and a CPU tensor enters the CUDA kernel as
+            a scalar operand, as torch's float does (only a CUDA tensor for CPU gradients is
+            copied to them, where torch's ``float()`` reads it too). A NaN or negative tensor
+            makes every gradient NaN (a GradScaler then skips the step), where torch's clip would
+            flip their signs.
         norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
         error_if_nonfinite: raise RuntimeError, leaving every gradient unmodified, when the total
             norm is nan or inf. The norm is the same on every rank, so every rank raises.
@@ -287,14 +402,17 @@ def clip_grad_norm_(
         ``torch.nn.utils.clip_grad_norm_`` contract.
 
     Raises:
-        TypeError: as :func:`total_grad_norm`, or ``max_norm`` is not a number.
-        ValueError: as :func:`total_grad_norm`, or a float ``max_norm`` is NaN or negative, or
+        TypeError: as :func:`total_grad_norm`, or ``max_norm`` is not a real number (a bool, a
+            string, a complex tensor) or is a DTensor that is not replicated.
+        ValueError: as :func:`total_grad_norm` (a gradient refused on one rank only raises on
+            every rank in the check mode alone), or a number ``max_norm`` is NaN or negative, or
             a tensor ``max_norm`` has more than one element.
-        RuntimeError: as :func:`total_grad_norm`.
+        RuntimeError: as :func:`total_grad_norm`, or ``max_norm`` is on the meta device.
     """
     params, names = _inputs.parameter_list(parameters)
-    _inputs.check_max_norm(max_norm)
+    bound = _inputs.clip_bound(max_norm)
     grads = [grad for p in params if (grad := p.grad) is not None]
+    _refuse_on_every_rank(grads, check, per_rank, "clip_grad_norm_")
     request = _norms.request(
         grads,
         norm_type,
@@ -308,8 +426,69 @@ def clip_grad_norm_(
         label=_parameter_label(params, names),
     )
     reduced = _total_norm(grads, request, error_if_nonfinite)
-    _scale_(reduced, max_norm, foreach)
+    _scale_(reduced.local, reduced.groups, reduced.total, bound, foreach)
     return reduced.total
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(
+    parameters: TensorOrTensors | nn.Module | Iterable[tuple[str, Tensor]],
+    max_norm: float | Tensor,
+    total_norm: Tensor,
+    foreach: bool | None = None,
+) -> None:
+    """Mixed-mesh-safe drop-in for ``torch.nn.utils.clip_grads_with_norm_``.
+
+    Scales every gradient, plain or DTensor, on its local shard by
+    ``min(max_norm / (total_norm + 1e-6), 1)``, as torch does, with no collective and no host
+    sync. With the norm of :func:`get_total_norm` (or :func:`total_grad_norm`) it leaves exactly
+    the gradients :func:`clip_grad_norm_` leaves, on any mix of meshes; with plain tensors, and
+    DTensors on a mesh spanning the world, the same bits as torch's. A
+    :class:`~credit.parallel.amp.GradScaler` learns of the scaling as it does from the clip: a
+    coefficient that is not finite (a NaN or negative tensor ``max_norm``, a NaN norm) makes the
+    gradients it scales NaN, and their optimizers skip the step.
+
+    It issues no collective, so a rank that raises here leaves no other rank waiting; every
+    rank must pass the same ``max_norm`` and ``total_norm`` for the ranks to stay in step.
+
+    Args:
+        parameters: tensor or iterable of tensors whose ``.grad`` is scaled in place; or a module,
+            or ``(name, parameter)`` pairs.
+        max_norm: max norm of the gradients, in every form :func:`clip_grad_norm_` takes.
+        total_norm: the total norm of the gradients, a tensor of one element: the plain tensor
+            :func:`get_total_norm` returns. A DTensor whose placements are all Replicate (torch's
+            ``get_total_norm`` of a p-norm on one mesh) gives its local value, the one torch's
+            clip would use; one with a pending reduction (Partial: torch's inf norm) is refused.
+        foreach: use the foreach kernels; None uses them where the device supports them.
+
+    Raises:
+        TypeError: an entry is not a tensor, a gradient is not floating point, ``max_norm`` is
+            not a real number, ``total_norm`` is not a tensor, or either is a DTensor that is
+            not replicated (``total_norm.full_tensor()`` or the norm of
+            :func:`get_total_norm` is what to pass).
+        ValueError: a gradient is sparse or on the meta device, a number ``max_norm`` is NaN or
+            negative, or ``max_norm`` or ``total_norm`` has more than one element.
+        RuntimeError: ``max_norm`` or ``total_norm`` is on the meta device, or ``foreach=True``
+            on a device without foreach kernels.
+    """
+    params, _ = _inputs.parameter_list(parameters, warn_if_empty_generator=False)
+    bound = _inputs.clip_bound(max_norm)
+    if not isinstance(total_norm, Tensor):
+        raise TypeError(
+            "total_norm must be a tensor (the norm get_total_norm returns), "
+            f"got {type(total_norm).__name__}"
+        )
+    total = _inputs.scalar_view(total_norm, "total_norm")
+    grads = [grad for p in params if (grad := p.grad) is not None]
+    _inputs.check_grads(grads, "grads")
+    if not grads:
+        return
+    local = [local_tensor(grad) for grad in grads]
+    groups = [
+        (device, indices)
+        for (device, _), indices in group_indices_by_device_and_dtype(local).items()
+    ]
+    _scale_(local, groups, total, bound, foreach)
 
 
 def _parameter_label(params: list[Tensor], names: list[str] | None) -> Callable[[int], str]:
@@ -335,13 +514,20 @@ def _total_norm(
     return reduced
 
 
-def _scale_(reduced: _norms.Reduced, max_norm: float | Tensor, foreach: bool | None) -> None:
-    """torch's ``clip_grads_with_norm_`` on the local shards of the gradients."""
-    if not reduced.local:
+def _scale_(
+    local: list[Tensor],
+    groups: list[tuple[torch.device, list[int]]],
+    total: Tensor,
+    max_norm: float | Tensor,
+    foreach: bool | None,
+) -> None:
+    """torch's ``clip_grads_with_norm_`` on the local tensors ``local``, grouped by (device,
+    dtype) in ``groups``; the listeners learn of the coefficient."""
+    if not local:
         return
-    clip_coef_clamped = _clip_coefficient(max_norm, reduced.total)
-    for device, indices in reduced.groups:
-        device_grads = [reduced.local[i] for i in indices]
+    clip_coef_clamped = _clip_coefficient(max_norm, total)
+    for device, indices in groups:
+        device_grads = [local[i] for i in indices]
         coef = clip_coef_clamped.to(device)
         if use_foreach(foreach, device_grads, device):
             torch._foreach_mul_(device_grads, coef)
@@ -349,25 +535,34 @@ def _scale_(reduced: _norms.Reduced, max_norm: float | Tensor, foreach: bool | N
             for grad in device_grads:
                 grad.mul_(coef)
     for listener in _norm_hooks.attached():
-        listener.scaled(reduced.local, clip_coef_clamped)
+        listener.scaled(local, clip_coef_clamped)
 
 
 def _clip_coefficient(max_norm: float | Tensor, total: Tensor) -> Tensor:
-    """torch's ``min(max_norm / (total + 1e-6), 1)``, with torch's bits.
+    """torch's ``min(max_norm / (total + 1e-6), 1)``, with torch's bits: a 0-dim tensor of
+    ``total``'s dtype on ``total``'s device.
 
-    A tensor ``max_norm`` is read where it lives, with no host sync, and a NaN or negative one
-    gives a NaN coefficient (every gradient NaN, never flipped). torch takes ``float(max_norm)``,
-    and ``float / tensor`` is ``tensor.reciprocal() * float`` with the float in the operation's
-    math dtype: the same operations here give the same bits.
+    torch takes ``float(max_norm)``, and ``float / tensor`` is ``tensor.reciprocal() * float``,
+    the float rounded to the operation's math dtype (float64 for float64, else float32) and the
+    product rounded to the tensor's dtype. A tensor ``max_norm`` (0-dim, see
+    ``_inputs.clip_bound``) enters the same product as its second operand, converted to the
+    math dtype by the kernel, so it is never read on the host, and a CPU one is never copied to
+    the device: a 0-dim CPU tensor is a scalar operand of a CUDA kernel, read at launch as
+    torch's float is. The reciprocal is made 1-element so that, in type promotion, the 0-dim
+    operand takes its dtype whatever its own (float64 or an integer included). A NaN or negative
+    tensor gives a NaN coefficient (every gradient NaN, never flipped): the product is
+    multiplied by 1 or NaN, which changes no other bit.
     """
     denominator = total + 1e-6
     if not isinstance(max_norm, Tensor):
         return torch.clamp(float(max_norm) / denominator, max=1.0)
+    bound = max_norm
+    if bound.device != denominator.device and bound.device.type != "cpu":
+        bound = bound.to(denominator.device)  # a CUDA one for CPU gradients: float() reads it too
     math_dtype = torch.float64 if denominator.dtype == torch.float64 else torch.float32
-    bound = max_norm.detach().to(device=denominator.device, dtype=math_dtype)
-    bound = torch.where(bound >= 0, bound, math.nan)
-    coefficient = (denominator.reciprocal().to(math_dtype) * bound).to(denominator.dtype)
-    return torch.clamp(coefficient, max=1.0)
+    reciprocal = denominator.reciprocal().to(math_dtype).reshape(1)
+    coefficient = reciprocal * bound * torch.where(bound >= 0, 1.0, math.nan)
+    return torch.clamp(coefficient.to(denominator.dtype), max=1.0).reshape(())
 
 
 @torch.no_grad()
