@@ -1,20 +1,23 @@
 """verify_replicas: every copy of every parameter, buffer and optimizer state proven bit-identical,
-on real layouts at 4 gloo ranks, and repaired.
+on real layouts at 4 gloo ranks, and repaired where something tells which copy is right.
 
 Layouts: DDP, HSDP (replicate x shard), FSDP2 + TP with the LayerNorms replicated over tp, TP x
 domain with plain replicas, experts declared with ``distinct_along``, pipeline stages with TP
-inside (their LayerNorms replicated over tp). After two
-AdamW steps, one rank of one group of copies gets, in turn: the lowest mantissa bit and the
-highest exponent bit of a parameter's element flipped, a buffer's bit flipped, an exp_avg's
-exponent bit flipped, a step count's bit flipped, two elements of a parameter swapped. Oracles, on
-every rank: the same ReplicaMismatchError, naming the tensor and the rank that differs from the
-reference; every local byte unchanged by the failed call; with ``repair=True`` the planted tensor
-back to its bits before the plant (the reference holds them), and the next call passing; the
-collectives counted (one on the good path).
+inside (their LayerNorms replicated over tp). After two AdamW steps, one rank of one group of
+copies gets, in turn: the lowest mantissa bit and the highest exponent bit of a parameter's
+element flipped, a buffer's bit flipped, an exp_avg's exponent bit flipped, a step count's bit
+flipped, two elements of a parameter swapped. The planted copy's group is found in the test from
+the placements (the ranks of the stage at the same coordinates along the dims that shard it).
+Oracles, on every rank: the same ReplicaMismatchError; in a group of 3 or more copies it names the
+planted rank against the majority's copy, and ``repair=True`` repairs from it; in a group of 2 it
+names both ranks and no culprit, ``repair=True`` is refused, and ``repair_from`` (the healthy
+ranks) repairs; every local byte unchanged by each failed call; the planted tensor back to its bits
+before the plant, and the next call passing; the collectives counted (one on the good path).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -84,10 +87,29 @@ def _plant(kind: str, tensor: Tensor) -> None:
     local.view(torch.int32)[0] ^= bit
 
 
+def _group_of(tensor: Tensor, layout: Layout) -> list[int]:
+    """The ranks holding a copy of this rank's elements of ``tensor``: those of its stage at the
+    same coordinates along the mesh dims that shard it (every rank of the stage for a plain
+    tensor), read from the placements."""
+    coordinates: tuple[int, ...] = ()
+    if isinstance(tensor, DTensor):
+        coordinate = tensor.device_mesh.get_coordinate() or []
+        coordinates = tuple(
+            c for c, p in zip(coordinate, tensor.placements, strict=True) if not p.is_replicate()
+        )
+    everyone: list[Any] = [None] * WORLD
+    dist.all_gather_object(everyone, (layout.stage, coordinates))
+    return [rank for rank, seen in enumerate(everyone) if seen == (layout.stage, coordinates)]
+
+
 def _everything(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tensor]:
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [v for state in optimizer.state.values() for v in state.values()]
     return [local_tensor(t).detach().clone().reshape(-1).view(torch.uint8) for t in tensors]
+
+
+def _same(a: list[Tensor], b: list[Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _counted(call: Any) -> tuple[Any, int]:
@@ -103,6 +125,13 @@ def _uncounted(call: Any) -> tuple[Any, int | None]:
         return error, None
 
 
+def _named(mismatches: Any) -> list[tuple[str, int | None, tuple[int, ...], str | None]]:
+    return [(m.name, m.reference, m.ranks, m.decided_by) for m in mismatches]
+
+
+HEALTHY = [rank for rank in range(WORLD) if rank != PLANTED_RANK]
+
+
 def _plants_on(name: str) -> dict[str, Any]:
     layout = build(name)
     optimizer = torch.optim.AdamW(layout.model.parameters(), lr=1e-2, foreach=False)
@@ -113,28 +142,34 @@ def _plants_on(name: str) -> dict[str, Any]:
     def verify(**more: Any) -> Any:
         return verify_replicas(layout.model, optimizer, **kwargs, **more)
 
-    # Under pipeline stages the first call also learns each stage's lowest rank.
+    # Under pipeline stages the first call also learns the ranks of its stage.
     record: dict[str, Any] = {"first": _counted(verify)[1], "clean": _counted(verify)[1]}
     for kind, (target, tensor) in _targets(layout, optimizer).items():
         # Counting puts every op through Python dispatch: the collectives of the first plant.
         counted = _counted if kind == COUNTED else _uncounted
+        group = _group_of(tensor, layout)  # every rank of it takes part, so all ranks call it
         before = local_tensor(tensor).detach().clone()
         if dist.get_rank() == PLANTED_RANK:
             _plant(kind, tensor)
         planted = _everything(layout.model, optimizer)
+
         raised, raise_count = counted(verify)
-        unchanged = all(
-            torch.equal(a, b)
-            for a, b in zip(planted, _everything(layout.model, optimizer), strict=True)
-        )
-        report, repair_count = counted(lambda: verify(repair=True))
+        unchanged_after_raise = _same(planted, _everything(layout.model, optimizer))
+        refused, unchanged_after_refusal = None, True
+        if len(group) < 3:  # nothing tells which copy is right: refused, then named
+            refused, _ = _uncounted(lambda: verify(repair=True))
+            unchanged_after_refusal = _same(planted, _everything(layout.model, optimizer))
+        sources = None if len(group) >= 3 else HEALTHY
+        report, repair_count = counted(functools.partial(verify, repair=True, repair_from=sources))
         after, after_count = counted(verify)
         record[kind] = {
             "target": target,
+            "group": group,
             "message": str(raised) if isinstance(raised, ReplicaMismatchError) else None,
-            "mismatches": [(m.name, m.ranks) for m in getattr(raised, "mismatches", ())],
-            "unchanged": unchanged,
-            "repaired": [(m.name, m.ranks) for m in report.repaired],
+            "mismatches": _named(getattr(raised, "mismatches", ())),
+            "unchanged": unchanged_after_raise and unchanged_after_refusal,
+            "refused": str(refused) if isinstance(refused, ReplicaMismatchError) else None,
+            "repaired": _named(getattr(report, "repaired", ())),
             "restored": torch.equal(
                 before.reshape(-1).view(torch.uint8),
                 local_tensor(tensor).detach().reshape(-1).view(torch.uint8),
@@ -145,32 +180,63 @@ def _plants_on(name: str) -> dict[str, Any]:
     return record
 
 
+def _check_plant(
+    planted: dict[str, Any], first: dict[str, Any], group: list[int], label: str
+) -> None:
+    """A planted difference named, left alone by every failed call, and repaired from the right
+    copy (``group``: the planted copy's): the majority's in a group of 3 or more, the one
+    repair_from names in a group of 2."""
+    target = planted["target"]
+    assert PLANTED_RANK in group and len(group) >= 2, f"{label}: group {group}"
+    assert planted["message"] is not None, f"{label}: not detected"
+    assert planted["message"] == first["message"], f"{label}: another message"
+    assert "Nothing was modified" in planted["message"]
+    assert planted["unchanged"], f"{label}: a failed call modified something"
+    if len(group) >= 3:
+        source = min(r for r in group if r != PLANTED_RANK)
+        expected = [(target, source, (PLANTED_RANK,), "majority")]
+        assert planted["mismatches"] == expected, label
+        assert f"{target} (rank {PLANTED_RANK} differs from rank {source}" in planted["message"]
+        assert planted["refused"] is None
+    else:  # two copies: both named, no culprit; the repair refused, then taken from repair_from
+        (peer,) = (r for r in group if r != PLANTED_RANK)
+        assert planted["mismatches"] == [(target, None, tuple(group), None)], label
+        copies = " / ".join(f"rank {r}" for r in group)
+        assert f"{target} (2 different copies: {copies}; no strict majority)" in planted["message"]
+        assert "differs from" not in planted["message"], label
+        assert planted["refused"] == first["refused"], label
+        assert planted["refused"].startswith("verify_replicas: cannot repair 1 of the 1 tensors")
+        assert "Reload the last checkpoint on every rank" in planted["refused"]
+        expected = [(target, peer, (PLANTED_RANK,), "repair_from")]
+    assert planted["repaired"] == expected, label
+    assert planted["restored"], f"{label}: not back to the bits before the plant"
+    assert planted["passes_after"], label
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_every_planted_difference_is_named_and_repaired(ranks, name):
     records = ranks.run(WORLD, _plants_on, name, timeout_s=180)
     for rank, record in enumerate(records):
         assert record["first"] == 1 + (name == "pp_tp"), f"{name} rank {rank}: {record['first']}"
         assert record["clean"] == 1, f"{name} rank {rank}: a clean call costs one collective"
-        for kind in ("parameter: lowest mantissa bit", "buffer", "exp_avg", "step"):
-            planted = record[kind]
-            label = f"{name} {kind} rank {rank}"
-            assert planted["message"] is not None, f"{label}: not detected"
-            assert planted["message"] == records[0][kind]["message"], f"{label}: another message"
-            assert planted["mismatches"] == [(planted["target"], (PLANTED_RANK,))], label
-            assert (
-                f"{planted['target']} (rank {PLANTED_RANK} differs from rank" in planted["message"]
-            )
-            assert "Nothing was modified" in planted["message"]
-            assert planted["unchanged"], f"{label}: the failed call modified something"
-            assert planted["repaired"] == planted["mismatches"], label
-            assert planted["restored"], f"{label}: not back to the reference's bits"
-            assert planted["passes_after"], label
+        for kind in _KINDS:
+            group = records[PLANTED_RANK][kind]["group"]
+            _check_plant(record[kind], records[0][kind], group, f"{name} {kind} rank {rank}")
         # The proof; on failure the records' all_gather_object (two collectives); the repair.
         counts = record[COUNTED]["counts"]
         assert counts == (1 + 2, 1 + 2 + 1, 1), f"{name} rank {rank}: {counts}"
-        for kind in ("parameter: highest exponent bit", "two elements swapped"):
-            assert record[kind]["mismatches"] == [(record[kind]["target"], (PLANTED_RANK,))]
-            assert record[kind]["restored"] and record[kind]["passes_after"]
+    # Groups of both kinds are planted across the layouts (a plain buffer: every rank).
+    assert len(records[PLANTED_RANK]["buffer"]["group"]) == (2 if name == "pp_tp" else WORLD)
+
+
+_KINDS = (
+    "parameter: lowest mantissa bit",
+    "parameter: highest exponent bit",
+    "two elements swapped",
+    "buffer",
+    "exp_avg",
+    "step",
+)
 
 
 # --- a corrupted run, repaired, goes on as if nothing happened ----------------------------------
@@ -182,9 +248,9 @@ def _corrupted_and_repaired(corrupt: bool) -> list[Tensor]:
     _train(layout, optimizer, range(3))
     if corrupt:
         _, tensor = _targets(layout, optimizer)["exp_avg"]
-        if dist.get_rank() == PLANTED_RANK:  # not the reference: rank 2 holds its group's
+        if dist.get_rank() == PLANTED_RANK:  # a group of two (its tp peer): named by repair_from
             _plant("parameter: highest exponent bit", tensor)
-        verify_replicas(layout.model, optimizer, repair=True)
+        verify_replicas(layout.model, optimizer, repair=True, repair_from=HEALTHY)
     _train(layout, optimizer, range(3, 6))
     return _everything(layout.model, optimizer)
 
@@ -207,7 +273,7 @@ def _reference_corrupted() -> dict[str, Any]:
         _plant("parameter: highest exponent bit", tensor)
     report = verify_replicas(layout.model, optimizer, repair=True)
     return {
-        "repaired": [(m.name, m.reference, m.ranks) for m in report.repaired],
+        "repaired": _named(report.repaired),
         "restored": torch.equal(before, local_tensor(tensor)),
     }
 
@@ -215,7 +281,7 @@ def _reference_corrupted() -> dict[str, Any]:
 def test_a_majority_outvotes_a_corrupted_reference(ranks):
     for result in ranks.run(WORLD, _reference_corrupted):
         assert result == {
-            "repaired": [("exp_avg of module.norm.weight", 1, (0,))],
+            "repaired": [("exp_avg of module.norm.weight", 1, (0,), "majority")],
             "restored": True,
         }
 
@@ -237,8 +303,10 @@ def _batch_norm(wrap: str) -> dict[str, Any]:
     """Running statistics that each rank updates from its own batch."""
     torch.manual_seed(0)
     model: nn.Module = _WithBatchNorm()
-    if wrap == "ddp":
+    if wrap in ("ddp", "compiled ddp"):
         model = nn.parallel.DistributedDataParallel(model)
+    if wrap == "compiled ddp":  # the wrapper hides DDP; "eager" compiles nothing
+        model = torch.compile(model, backend="eager")
     model(torch.randn(8, 6, generator=torch.Generator().manual_seed(dist.get_rank()))).sum()
     result: dict[str, Any] = {}
     for buffers in (None, True, False):
@@ -250,15 +318,16 @@ def _batch_norm(wrap: str) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "plain"])
+@pytest.mark.parametrize("wrap", ["ddp", "compiled ddp", "plain"])
 def test_buffers_that_each_rank_updates(ranks, wrap):
     """DDP broadcasts its buffers at every forward, so they differ between forwards: left out
-    unless asked for. Elsewhere they are checked, and the message says how to leave them out."""
+    unless asked for, also where torch.compile wraps the DDP. Elsewhere they are checked, and the
+    message says how to leave them out."""
     for result in ranks.run(WORLD, _batch_norm, wrap):
         assert result["False"] == ("passed", False)
         raised, message = result["True"]
         assert raised == "raised" and "running_mean" in message and "buffers=False" in message
-        assert result["None"] == (("passed", False) if wrap == "ddp" else result["True"])
+        assert result["None"] == (("passed", False) if "ddp" in wrap else result["True"])
 
 
 def _different_tensors() -> str:

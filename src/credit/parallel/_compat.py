@@ -8,11 +8,12 @@ read the same state directly.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 # The right-to-left shard of FSDP2 + TP: a placement of its own, not a Shard subclass, from 2.10 on.
@@ -87,3 +88,17 @@ def queue_at_end_of_backward(callback: Callable[[], None]) -> None:
     (2.10 to 2.15).
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module inside ``torch.compile``'s wrappers, or ``module`` itself.
+
+    ``torch._dynamo.eval_frame.OptimizedModule._orig_mod``, unwrapped as often as nested, on
+    every supported release (2.10 to 2.15). No compiled module exists before dynamo is imported,
+    so this does not import it.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    while wrapper is not None and isinstance(module, wrapper):
+        module = module._orig_mod
+    return module

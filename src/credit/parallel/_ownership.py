@@ -77,21 +77,31 @@ def _stages_of(pp_ranks: tuple[int, ...] | None, world: int, rank: int) -> Stage
     return stages(pp_ranks)  # world and rank key the cache
 
 
-# The lowest rank of this rank's stage, learned once per pipeline group.
-_lowest_by_pp_group: dict[ProcessGroup, int] = {}
+# The ranks of this rank's stage, learned once per pipeline group.
+_stage_by_pp_group: dict[ProcessGroup, frozenset[int]] = {}
+
+
+def stage_ranks(at: Stages, pp_group: ProcessGroup | None, device: torch.device) -> frozenset[int]:
+    """The ranks of this rank's pipeline stage: the world within a single stage; under pipeline
+    stages one all_reduce of a world-size vector (each rank writes its stage), once per pp_group.
+    """
+    if pp_group is None:
+        return frozenset(range(dist.get_world_size()))
+    ranks = _stage_by_pp_group.get(pp_group)
+    if ranks is None:
+        stage_of = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+        stage_of[dist.get_rank()] = at.index + 1  # 0: a rank not heard from
+        dist.all_reduce(stage_of, op=dist.ReduceOp.SUM)
+        mine = at.index + 1
+        ranks = frozenset(r for r, s in enumerate(stage_of.tolist()) if s == mine)
+        _stage_by_pp_group[pp_group] = ranks
+    return ranks
 
 
 def lowest_rank_of_stage(at: Stages, pp_group: ProcessGroup | None, device: torch.device) -> int:
-    """0 within a single stage; under pipeline stages one small all_reduce, once per pp_group."""
-    if pp_group is None:
-        return 0
-    lowest = _lowest_by_pp_group.get(pp_group)
-    if lowest is None:
-        ranks = torch.full((at.count,), dist.get_world_size(), dtype=torch.int64, device=device)
-        ranks[at.index] = dist.get_rank()
-        dist.all_reduce(ranks, op=dist.ReduceOp.MIN)
-        lowest = _lowest_by_pp_group[pp_group] = int(ranks[at.index])
-    return lowest
+    """0 within a single stage; under pipeline stages the lowest of :func:`stage_ranks`, learned
+    in its all_reduce, once per pp_group."""
+    return min(stage_ranks(at, pp_group, device))
 
 
 def stages(pp_ranks: tuple[int, ...] | None) -> Stages:
@@ -137,6 +147,9 @@ class Holding:
         replicated: identical copies of the local values inside the mesh: the sizes of its
             Replicate dims multiplied (Partial addends are not copies of each other).
         replica_index: this rank's position among those copies (0 for the first).
+        replicate_slice: the ranks of the mesh at this rank's coordinates along its Replicate
+            dims, any coordinate along the others (this rank alone for a plain tensor; empty
+            where this rank is not in the mesh).
     """
 
     description: str
@@ -151,6 +164,7 @@ class Holding:
     shard_key: tuple[int, ...] = ()
     replicated: int = 1
     replica_index: int = 0
+    replicate_slice: frozenset[int] = frozenset()
 
 
 _by_spec: dict[int, tuple[object, Holding]] = {}  # id(spec) -> (spec, holding); holds the spec
@@ -194,6 +208,7 @@ def _plain_holding(grad: Tensor) -> Holding:
         partial_dims=(),
         dtype=grad.dtype,
         device=grad.device,
+        replicate_slice=frozenset({dist.get_rank()}),
     )
 
 
@@ -235,7 +250,16 @@ def _dtensor_holding(grad: DTensor) -> Holding:
         replica_index=_ravel(
             [coordinate[d] for d in replicate_dims], [mesh.size(d) for d in replicate_dims]
         ),
+        replicate_slice=_replicate_slice(mesh, replicate_dims),
     )
+
+
+def _replicate_slice(mesh: DeviceMesh, replicate_dims: list[int]) -> frozenset[int]:
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return frozenset()
+    index = tuple(coordinate[d] if d in replicate_dims else slice(None) for d in range(mesh.ndim))
+    return frozenset(mesh.mesh[index].flatten().tolist())
 
 
 def _ravel(coordinates: list[int], sizes: list[int]) -> int:
@@ -302,11 +326,19 @@ class CopyGroup:
         is_reference: whether this rank's copy is the one the others are compared with; every
             group has exactly one.
         key: names the shard among the gradient's shards, the same on all of its copies.
+        share: this copy's part of the group's universe (see :func:`universe`): the ranks of its
+            own mesh copy at its coordinates along the Replicate dims, or its ``distinct`` group
+            for a plain gradient declared distinct. The shares of a group's members are disjoint
+            and cover its universe.
+        confined: whether the copies are sought in this rank's own mesh copy only (a gradient
+            on a mesh of several ranks declared distinct: the other blocks cannot be seen).
     """
 
     size: int
     is_reference: bool
     key: tuple[int, ...]
+    share: frozenset[int] = frozenset()
+    confined: bool = False
 
 
 def copy_group(
@@ -334,20 +366,35 @@ def copy_group(
     mesh_copies = at.size // len(held.mesh_ranks)
     key = held.shard_key
     in_reference_block = lowest in held.mesh_ranks
+    share = held.replicate_slice
+    confined = False
     if distinct is not None:
         mesh_copies //= len(distinct)
         key += (sorted(distinct).index(dist.get_rank()),)
         if len(held.mesh_ranks) == 1:
             in_reference_block = lowest in distinct
-        elif mesh_copies > 1:  # the other blocks of the stage cannot be seen from here
-            mesh_copies, in_reference_block = 1, True
-        else:
-            in_reference_block = True
+            share = distinct
+        else:  # the group shrinks to the Replicate dims of this rank's own mesh copy
+            if mesh_copies > 1:  # the other blocks of the stage cannot be seen from here
+                mesh_copies = 1
+            in_reference_block, confined = True, True
     return CopyGroup(
         size=mesh_copies * held.replicated,
         is_reference=in_reference_block and held.replica_index == 0,
         key=key,
+        share=share,
+        confined=confined,
     )
+
+
+def universe(group: CopyGroup, held: Holding, stage: frozenset[int]) -> frozenset[int]:
+    """The ranks that the shares of ``group``'s members cover, each exactly once: the stage's
+    ranks ``stage``, or this rank's mesh copy where the group is confined to it.
+
+    Every member names the same set: the members of a group confined to a mesh copy all lie in
+    it.
+    """
+    return held.mesh_ranks if group.confined else stage
 
 
 def mixes_shards(grad: Tensor, group_ranks: frozenset[int]) -> bool:

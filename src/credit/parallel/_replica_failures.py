@@ -1,56 +1,133 @@
-"""The replica check's failures: copies that differ, named the same way on every rank, told
-apart from layouts that cannot be compared, and repaired.
+"""The replica check's failures: copies that differ or are missing, named the same way on every
+rank, told apart from layouts that cannot be compared, and repaired where something tells which
+copy is right.
 
 Only a failed proof (``replicas``) comes here. Every rank gathers what every other holds (one
-``all_gather_object``: names, layouts, digests), so every rank raises the same error; or the
-differing copies get their source's bytes in one all_reduce. The source of a group of copies is
-the copy a strict majority holds, else the reference (of two copies that differ, nothing tells
-which is right).
+``all_gather_object``: names, layouts, digests), so every rank reaches the same verdict and raises
+the same error; or the differing copies get their source's bytes in one all_reduce. Tensors are
+matched by name: rank-local tensors (no copies) need not line up across ranks, so optimizer state
+created lazily on some ranks only is no layout error; a copy of optimizer state that one member of
+a group lacks is a mismatch like a copy with other bits.
+
+The source of a group of copies is the copy a strict majority of its members holds, else the copy
+of the first rank the caller names in ``repair_from`` that holds one. Where neither exists (two
+copies that differ, two against two), nothing tells which copy is right: the group is named with
+every rank that disagrees, and a repair is refused on every rank, before anything is modified.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from credit.parallel import _ownership
+from credit.parallel._compat import local_tensor
 from credit.parallel._ownership import CopyGroup, Holding, Stages
 
 WHAT = "verify_replicas"
+MAJORITY = "majority"
+REPAIR_FROM = "repair_from"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor the check looks at.
+
+    Attributes:
+        name: a parameter's or buffer's name, or ``"exp_avg of blocks.0.q.weight"``.
+        tensor: the tensor.
+        kind: ``"parameter"``, ``"buffer"`` or ``"state"`` (optimizer state).
+        owner: the parameter a state belongs to (the tensor itself for parameters and buffers),
+            which ``distinct_along`` names.
+        owner_name: the owner's name.
+        state_key: the key of a state in its optimizer's ``state[owner]`` (None otherwise).
+    """
+
+    name: str
+    tensor: Tensor
+    kind: str
+    owner: Tensor
+    owner_name: str
+    state_key: object = None
 
 
 @dataclass(frozen=True)
 class Mismatch:
-    """One tensor whose copies differ from the reference copy.
+    """One group of copies of a tensor that do not all hold the same bits.
 
     Attributes:
         name: the tensor: a parameter's or buffer's name, or ``"exp_avg of blocks.0.q.weight"``.
-        reference: the rank whose copy the others are compared with, and a repair copies: the
-            lowest rank of a strict majority of identical copies, else the reference copy.
-        ranks: the ranks whose copy differs from it.
+        reference: the rank whose copy is taken as right, and which a repair copies: the lowest
+            rank of a strict majority of identical copies, else the first rank of
+            ``repair_from`` that holds a copy; None where nothing tells which copy is right.
+        ranks: the ranks whose copy differs from the reference's or is missing; where
+            ``reference`` is None, every rank of the group.
+        decided_by: how the reference was chosen: ``"majority"``, ``"repair_from"``, or None.
+        copies: the ranks holding each distinct copy, the most widely held first.
+        missing: the ranks of the group that hold no copy at all (optimizer state created on
+            some copies only).
     """
 
     name: str
-    reference: int
+    reference: int | None
     ranks: tuple[int, ...]
+    decided_by: str | None
+    copies: tuple[tuple[int, ...], ...]
+    missing: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Held:
+    """What this rank holds: each tensor's entry, local tensor, holding and copy group, the
+    tensors with copies, the stages, and the optimizer's parameters by name with the
+    ``distinct_along`` group of each (None where it has none)."""
+
+    entries: list[Entry]
+    local: list[Tensor]
+    held: list[Holding]
+    groups: list[CopyGroup | None]
+    compared: list[int]
+    at: Stages
+    lowest: int
+    params: dict[str, Tensor]
+    param_marks: dict[str, frozenset[int] | None]
 
 
 @dataclass(frozen=True)
 class _Record:
     """What one rank holds of one tensor, gathered only when the proof fails."""
 
-    index: int
-    description: str  # its name and global layout: the same on every rank of the stage
-    key: tuple[int, ...] | None  # its copy group (None: no copies)
-    is_reference: bool
+    name: str
+    kind: str
+    description: str  # its global layout: the same on every rank of the stage that holds it
+    key: tuple[int, ...] | None  # its copy group, where it has copies (None: no copies)
+    size: int  # the copies in that group
     digest: tuple[int, ...] | None
     coverage: int
     nbytes: int
+    # How a missing copy is made elsewhere: like its parameter, or a plain tensor.
+    owner: str
+    state_key: object
+    like_owner: bool
+    is_dtensor: bool
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    on_cpu: bool
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """Where a copy of a parameter's state would sit on this rank: the group key of a state laid
+    out like the parameter, and of a plain state."""
+
+    description: str
+    key: tuple[int, ...] | None
+    plain_key: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)
@@ -58,207 +135,451 @@ class Slot:
     """One group of copies that differ: where the repair reads and writes it."""
 
     stage: int
-    index: int
-    key: tuple[int, ...]
+    name: str
     nbytes: int
-    members: frozenset[int]
+    targets: frozenset[int]  # the ranks whose copy is replaced (or created)
+    template: _Record  # the source's record: how a missing copy is made
     mismatch: Mismatch
 
 
 @dataclass(frozen=True)
-class Held:
-    """What this rank holds: each tensor's name, local tensor, holding and copy group, in the
-    order every rank of the stage shares, and the stages."""
+class Failure:
+    """The groups of copies that differ, and the tensors with copies in every stage."""
 
-    names: list[str]
-    local: list[Tensor]
-    held: list[Holding]
-    groups: list[CopyGroup | None]
-    at: Stages
+    slots: list[Slot]
+    compared: int
 
 
 def diagnose(
-    mine: Held, digests: dict[int, list[int]], error: str | None
-) -> tuple[list[Slot], int]:
+    mine: Held,
+    digests: dict[int, list[int]],
+    error: str | None,
+    repair_from: tuple[int, ...],
+) -> Failure:
     """Gather every rank's records; raise for a layout that cannot be compared, else return the
-    groups of copies that differ and the number of tensors with copies in every stage (the same
-    on every rank).
+    groups of copies that differ, each with its source where one is known (the same on every
+    rank).
 
     Args:
         mine: what this rank holds.
         digests: the digest of each tensor with copies, by index.
         error: why this rank's layout cannot be counted, or None.
+        repair_from: the ranks whose copies are right where a group has no strict majority.
 
     Raises:
-        ValueError: a rank's layout has an error (a mesh across stages, a distinct_along group
-            that overlaps its mesh).
-        RuntimeError: the ranks of a stage hold different tensors, a tensor's shards do not add
-            up to whole copies, or the ranks disagree on the references.
+        ValueError: a rank's tensors or layout cannot be compared (a meta tensor, a mesh across
+            stages, a distinct_along group that overlaps its mesh).
+        RuntimeError: the ranks of a stage hold different parameters or buffers, a tensor's
+            shards do not add up to whole copies, or the ranks disagree on the groups of copies.
     """
-    records = []
-    for index, (name, local, held, group) in enumerate(
-        zip(mine.names, mine.local, mine.held, mine.groups, strict=True)
-    ):
-        compared = index in digests
-        records.append(
-            _Record(
-                index=index,
-                description=f"{name} ({held.description})",
-                key=group.key if group is not None and compared else None,
-                is_reference=group is not None and group.is_reference,
-                digest=tuple(digests[index]) if compared else None,
-                coverage=_ownership.coverage(held, mine.at),
-                nbytes=local.numel() * local.element_size(),
-            )
-        )
+    records = [_record(mine, index, digests.get(index)) for index in range(len(mine.entries))]
+    # Only where this rank's layout can be counted: the others raise its error below.
+    owners = {name: _owner(mine, name) for name in mine.params} if error is None else {}
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (dist.get_rank(), mine.at.index, error, records))
-    for rank, _, their_error, _ in everyone:
+    dist.all_gather_object(everyone, (dist.get_rank(), mine.at.index, error, records, owners))
+    for rank, _, their_error, _, _ in everyone:
         if their_error is not None:
             raise ValueError(f"{WHAT}: {their_error} (rank {rank}). Nothing was modified.")
-    by_stage: dict[int, dict[int, list[_Record]]] = {}
-    for rank, stage, _, theirs in everyone:
-        by_stage.setdefault(stage, {})[rank] = theirs
-    _refuse_different_tensors(by_stage)
-    _refuse_missing_copies(by_stage)
-    total = sum(
-        1 for ranks in by_stage.values() for r in next(iter(ranks.values())) if r.key is not None
-    )
-    slots = [slot for stage, ranks in sorted(by_stage.items()) for slot in _differing(stage, ranks)]
+    by_stage: dict[int, dict[int, tuple[dict[str, _Record], dict[str, _Owner]]]] = {}
+    for rank, stage, _, theirs, their_owners in everyone:
+        named = {record.name: record for record in theirs}
+        by_stage.setdefault(stage, {})[rank] = (named, their_owners)
+    for stage, ranks in sorted(by_stage.items()):
+        within = f" of pipeline stage {stage}" if len(by_stage) > 1 else ""
+        _refuse_different_tensors({rank: named for rank, (named, _) in ranks.items()}, within)
+        _refuse_missing_copies({rank: named for rank, (named, _) in ranks.items()}, within)
+    compared = 0
+    slots = []
+    for stage, ranks in sorted(by_stage.items()):
+        compared += len(_names_with_copies({rank: named for rank, (named, _) in ranks.items()}))
+        slots += _differing(stage, ranks, repair_from)
     if not slots:
         raise RuntimeError(
-            f"{WHAT}: the copies' sums did not vanish, yet every copy has its reference's "
-            "digest: the ranks disagree on which copy is the reference. Nothing was modified."
+            f"{WHAT}: the copies' sums did not vanish, yet every copy has the same digest: the "
+            "ranks disagree on which ranks hold copies of what (a layout that the rank maps do "
+            "not describe, such as distinct_along groups that do not tile the stage). Nothing "
+            "was modified."
         )
-    return slots, total
+    return Failure(slots, compared)
 
 
-def _refuse_different_tensors(by_stage: dict[int, dict[int, list[_Record]]]) -> None:
-    for stage, ranks in sorted(by_stage.items()):
-        first = min(ranks)
-        for rank in sorted(ranks):
-            ours, theirs = ranks[first], ranks[rank]
-            for index in range(max(len(ours), len(theirs))):
-                a = ours[index].description if index < len(ours) else "nothing"
-                b = theirs[index].description if index < len(theirs) else "nothing"
-                if a != b:
-                    within = f" of pipeline stage {stage}" if len(by_stage) > 1 else ""
-                    raise RuntimeError(
-                        f"{WHAT}: the ranks{within} hold different tensors, so their copies "
-                        f"cannot be compared: at position {index}, rank {first} has {a}, rank "
-                        f"{rank} has {b} (rank {first} holds {len(ours)} tensors, rank {rank} "
-                        f"{len(theirs)}). Nothing was modified."
-                    )
+def _record(mine: Held, index: int, digest: list[int] | None) -> _Record:
+    entry, local, held = mine.entries[index], mine.local[index], mine.held[index]
+    group = mine.groups[index]
+    owner = mine.params.get(entry.owner_name)
+    like_owner = owner is not None and _ownership.holding(owner).description == held.description
+    return _Record(
+        name=entry.name,
+        kind=entry.kind,
+        description=held.description,
+        key=group.key if group is not None and digest is not None else None,
+        size=group.size if group is not None else 0,
+        digest=tuple(digest) if digest is not None else None,
+        coverage=_ownership.coverage(held, mine.at),
+        nbytes=local.numel() * local.element_size(),
+        owner=entry.owner_name,
+        state_key=entry.state_key,
+        like_owner=like_owner,
+        is_dtensor=isinstance(entry.tensor, DTensor),
+        shape=tuple(local.shape),
+        dtype=local.dtype,
+        on_cpu=local.device.type == "cpu",
+    )
 
 
-def _refuse_missing_copies(by_stage: dict[int, dict[int, list[_Record]]]) -> None:
-    for stage, ranks in sorted(by_stage.items()):
-        records = list(ranks.values())
-        for index, record in enumerate(records[0]):
-            if sum(theirs[index].coverage for theirs in records):
-                where = f"stage {stage}" if len(by_stage) > 1 else "the world"
-                raise RuntimeError(
-                    f"{WHAT}: cannot tell the copies of {record.description} apart: its shards "
-                    f"do not add up to whole copies on the ranks of {where}. Every rank of a "
-                    "stage must hold every parameter, each on its own copy of its mesh; pass "
-                    "pipeline stages as pp_group. Nothing was modified."
-                )
+def _owner(mine: Held, name: str) -> _Owner:
+    held = _ownership.holding(mine.params[name])
+    plain = _ownership.holding(torch.empty(()))
+    mark = mine.param_marks[name]
+    keys = []
+    for layout in (held, plain):
+        group = None
+        if _ownership.layout_error(layout, mine.at, mark) is None:
+            group = _ownership.copy_group(layout, mine.at, mine.lowest, mark)
+        keys.append(group.key if group is not None else None)
+    return _Owner(description=held.description, key=keys[0], plain_key=keys[1])
 
 
-def _differing(stage: int, ranks: dict[int, list[_Record]]) -> list[Slot]:
-    groups: dict[tuple, list[tuple[int, _Record]]] = {}
+def _names_with_copies(ranks: dict[int, dict[str, _Record]]) -> list[str]:
+    """The tensors that have copies on some rank, in the order the lowest rank holds them."""
+    seen: dict[str, None] = {}
     for rank in sorted(ranks):
-        for record in ranks[rank]:
+        for name, record in ranks[rank].items():
             if record.key is not None:
-                groups.setdefault((record.index, record.key), []).append((rank, record))
-    slots = []
-    for (index, key), members in sorted(groups.items()):
-        source_rank, source = _source(members)
-        differ = tuple(rank for rank, r in members if r.digest != source.digest)
-        if differ:
-            name = source.description.split(" (", 1)[0]
-            slots.append(
-                Slot(
-                    stage=stage,
-                    index=index,
-                    key=key,
-                    nbytes=source.nbytes,
-                    members=frozenset(rank for rank, _ in members),
-                    mismatch=Mismatch(name, source_rank, differ),
+                seen.setdefault(name)
+    return list(seen)
+
+
+def _refuse_different_tensors(ranks: dict[int, dict[str, _Record]], within: str) -> None:
+    """Parameters and buffers: every rank of a stage holds each, with the same layout; optimizer
+    state with copies: the same layout wherever it exists."""
+    first = min(ranks)
+    for rank in sorted(ranks):
+        ours, theirs = ranks[first], ranks[rank]
+        for name in [*ours, *(n for n in theirs if n not in ours)]:
+            a, b = ours.get(name), theirs.get(name)
+            if (a is None or a.kind == "state") and (b is None or b.kind == "state"):
+                continue  # optimizer state may be created lazily: see _missing
+            if a is None or b is None or a.description != b.description:
+                raise RuntimeError(
+                    f"{WHAT}: the ranks{within} hold different tensors, so their copies cannot "
+                    f"be compared: rank {first} has {_described(name, a)}, rank {rank} has "
+                    f"{_described(name, b)} (rank {first} holds {_lined_up(ours)} parameters "
+                    f"and buffers, rank {rank} {_lined_up(theirs)}). Nothing was modified."
                 )
+    layouts: dict[str, tuple[int, str]] = {}
+    with_copies = set(_names_with_copies(ranks))
+    for rank in sorted(ranks):
+        for name, record in ranks[rank].items():
+            if record.kind != "state" or name not in with_copies:
+                continue
+            seen = layouts.setdefault(name, (rank, record.description))
+            if seen[1] != record.description:
+                raise RuntimeError(
+                    f"{WHAT}: the ranks{within} hold different tensors, so their copies cannot "
+                    f"be compared: rank {seen[0]} has {name} ({seen[1]}), rank {rank} has "
+                    f"{name} ({record.description}). Nothing was modified."
+                )
+
+
+def _described(name: str, record: _Record | None) -> str:
+    return f"{name} ({record.description})" if record is not None else f"no {name}"
+
+
+def _lined_up(records: dict[str, _Record]) -> int:
+    return sum(record.kind != "state" for record in records.values())
+
+
+def _refuse_missing_copies(ranks: dict[int, dict[str, _Record]], within: str) -> None:
+    """The self-check of the parameters and buffers (which every rank of the stage holds, as
+    :func:`_refuse_different_tensors` proved)."""
+    lined_up = [name for name, record in ranks[min(ranks)].items() if record.kind != "state"]
+    for name in lined_up:
+        if sum(theirs[name].coverage for theirs in ranks.values()):
+            record = ranks[min(ranks)][name]
+            where = f"the ranks{within}" if within else "the world"
+            raise RuntimeError(
+                f"{WHAT}: cannot tell the copies of {name} ({record.description}) apart: its "
+                f"shards do not add up to whole copies on {where}. Every rank of a stage must "
+                "hold every parameter, each on its own copy of its mesh; pass pipeline stages "
+                "as pp_group. Nothing was modified."
             )
+
+
+def _differing(
+    stage: int,
+    ranks: dict[int, tuple[dict[str, _Record], dict[str, _Owner]]],
+    repair_from: tuple[int, ...],
+) -> list[Slot]:
+    named = {rank: records for rank, (records, _) in ranks.items()}
+    slots = []
+    for name in _names_with_copies(named):
+        groups: dict[tuple[int, ...], list[tuple[int, _Record]]] = {}
+        for rank in sorted(named):
+            record = named[rank].get(name)
+            if record is not None and record.key is not None:
+                groups.setdefault(record.key, []).append((rank, record))
+        missing = _missing(name, ranks, groups)
+        for key, members in sorted(groups.items()):
+            slot = _decide(stage, members, missing.get(key, []), repair_from)
+            if slot is not None:
+                slots.append(slot)
     return slots
 
 
-def _source(members: list[tuple[int, _Record]]) -> tuple[int, _Record]:
-    """The copy the others are compared with and repaired from: the one a strict majority of the
-    group holds, else the reference (of two copies that differ, nothing tells which is right)."""
-    counts = Counter(record.digest for _, record in members)
-    digest, count = counts.most_common(1)[0]
-    if 2 * count > len(members):
-        return next((rank, r) for rank, r in members if r.digest == digest)
-    return next((m for m in members if m[1].is_reference), members[0])
+def _missing(
+    name: str,
+    ranks: dict[int, tuple[dict[str, _Record], dict[str, _Owner]]],
+    groups: dict[tuple[int, ...], list[tuple[int, _Record]]],
+) -> dict[tuple[int, ...], list[int]]:
+    """The ranks of the stage without a copy of ``name`` (optimizer state only: parameters and
+    buffers line up), by the group their copy would belong to: laid out like its parameter, or
+    plain, as the copies that exist are. A group none of whose members holds a copy is left out:
+    its copies agree (that shard has no state yet).
+
+    Raises:
+        RuntimeError: a rank's missing copy cannot be placed in a group (its parameter is not in
+            that rank's optimizer, or the state is a DTensor laid out unlike its parameter).
+    """
+    lacking = [rank for rank in sorted(ranks) if name not in ranks[rank][0]]
+    if not lacking:
+        return {}
+    template = next(iter(groups.values()))[0][1]
+    found: dict[tuple[int, ...], list[int]] = {}
+    for rank in lacking:
+        owner = ranks[rank][1].get(template.owner)
+        key = None
+        if owner is not None and template.like_owner:
+            key = owner.key
+        elif owner is not None and not template.is_dtensor:
+            key = owner.plain_key
+        if key is None:
+            holders = sorted(r for members in groups.values() for r, _ in members)
+            if owner is None:
+                why = f"its parameter {template.owner} is not in that rank's optimizer"
+            elif template.like_owner:
+                why = f"that rank holds no shard of its parameter {template.owner}"
+            else:
+                why = f"it is laid out unlike its parameter ({template.description})"
+            raise RuntimeError(
+                f"{WHAT}: {name} exists on {_ranks(holders)} and not on rank {rank}, where "
+                f"its copy cannot be placed: {why}. Nothing was modified."
+            )
+        if key in groups:
+            found.setdefault(key, []).append(rank)
+    return found
 
 
-def repair(slots: list[Slot], local: list[Tensor], stage: int, device: torch.device) -> None:
-    """Each group's source copy (see :func:`_source`) over its other copies, in one all_reduce
-    of their bytes: the source sends its bytes, every other rank zeros.
+def _decide(
+    stage: int,
+    members: list[tuple[int, _Record]],
+    missing: list[int],
+    repair_from: tuple[int, ...],
+) -> Slot | None:
+    """The group's verdict: None where every member holds the same bits, else its slot, with
+    the source a strict majority or ``repair_from`` gives, or none."""
+    holders: dict[tuple[int, ...] | None, list[int]] = {}
+    for rank, record in members:
+        holders.setdefault(record.digest, []).append(rank)
+    if len(holders) == 1 and not missing:
+        return None
+    copies = sorted(holders.values(), key=lambda held: (-len(held), held))
+    size = members[0][1].size
+    source: int | None = None
+    decided_by = None
+    if 2 * len(copies[0]) > size:
+        source, decided_by = copies[0][0], MAJORITY
+    else:
+        present = {rank for rank, _ in members}
+        source = next((rank for rank in repair_from if rank in present), None)
+        decided_by = REPAIR_FROM if source is not None else None
+    records = dict(members)
+    everyone = sorted([*records, *missing])
+    targets: frozenset[int] = frozenset()
+    if source is None:
+        ranks = tuple(everyone)
+    else:
+        digest = records[source].digest
+        ranks = tuple(r for r in everyone if r in missing or records[r].digest != digest)
+        targets = frozenset(ranks)
+    template = records[source] if source is not None else members[0][1]
+    mismatch = Mismatch(
+        name=template.name,
+        reference=source,
+        ranks=ranks,
+        decided_by=decided_by,
+        copies=tuple(tuple(held) for held in copies),
+        missing=tuple(missing),
+    )
+    return Slot(stage, template.name, template.nbytes, targets, template, mismatch)
+
+
+def repair(
+    slots: list[Slot],
+    mine: Held,
+    states: MutableMapping[Tensor, dict],
+    device: torch.device,
+) -> None:
+    """Each group's source copy over its other copies, in one all_reduce of their bytes: the
+    source sends its bytes, every other rank zeros. A missing copy of optimizer state is created
+    first (like its parameter, a DTensor for a DTensor parameter, or as a plain tensor like the
+    source's) and put into the optimizer's state.
 
     Args:
-        slots: the groups of copies that differ, the same list on every rank.
-        local: this rank's local tensors, by index.
-        stage: this rank's pipeline stage.
+        slots: the groups of copies that differ, each with a source: the same list on every rank.
+        mine: what this rank holds.
+        states: the optimizer's ``state`` (where missing copies are put).
         device: where the collective's buffer lives.
     """
     offsets = [0]
     for slot in slots:
         offsets.append(offsets[-1] + slot.nbytes)
     buffer = torch.zeros(offsets[-1], dtype=torch.uint8, device=device)
-    rank = dist.get_rank()
+    rank, stage = dist.get_rank(), mine.at.index
+    index = {entry.name: i for i, entry in enumerate(mine.entries)}
     for slot, start in zip(slots, offsets, strict=False):
         if slot.stage == stage and slot.mismatch.reference == rank:
-            buffer[start : start + slot.nbytes] = _bytes(local[slot.index]).to(device)
+            source = _bytes(mine.local[index[slot.name]])
+            buffer[start : start + slot.nbytes] = source.to(device)
     dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
     for slot, start in zip(slots, offsets, strict=False):
-        if slot.stage == stage and rank in slot.members and slot.mismatch.reference != rank:
-            target = local[slot.index]
-            source = buffer[start : start + slot.nbytes].to(target.device)
-            target.copy_(source.view(target.dtype).view(target.shape))
+        if slot.stage != stage or rank not in slot.targets:
+            continue
+        if rank in slot.mismatch.missing:
+            target = _create(slot.template, mine.params[slot.template.owner], states)
+        else:
+            target = mine.local[index[slot.name]]
+        _write(target, buffer[start : start + slot.nbytes].to(target.device))
+
+
+def _create(template: _Record, param: Tensor, states: MutableMapping[Tensor, dict]) -> Tensor:
+    """A new state tensor for ``param`` shaped as ``template`` says, put into ``states``; its
+    local tensor."""
+    if template.like_owner:
+        new = torch.empty_like(param.detach(), dtype=template.dtype)
+    else:
+        device = torch.device("cpu") if template.on_cpu else local_tensor(param).device
+        new = torch.empty(template.shape, dtype=template.dtype, device=device)
+    states.setdefault(param, {})[template.state_key] = new
+    return local_tensor(new)
 
 
 def _bytes(tensor: Tensor) -> Tensor:
+    """The raw bytes of ``tensor``, flat (a view where ``tensor`` is contiguous)."""
     flat = tensor.reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     return flat.view(torch.uint8)
 
 
+def _write(target: Tensor, data: Tensor) -> None:
+    """``data`` (raw bytes) into ``target``, byte for byte: through a view of its bytes, which
+    every dtype has (the sub-byte kinds have no copy kernel of their own)."""
+    if target.is_contiguous():
+        _bytes(target).copy_(data)
+    else:
+        target.copy_(data.view(target.dtype).view(target.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# messages
+
+
 _LISTED = 8
 
 
+def _ranks(ranks: Iterable[int]) -> str:
+    ranks = list(ranks)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}"
+
+
+def _phrase(m: Mismatch) -> str:
+    """What differs in one group, and how its source was decided."""
+    if m.reference is None:
+        present = " / ".join(_ranks(ranks) for ranks in m.copies)
+        held = f"{len(m.copies)} different copies: {present}" if len(m.copies) > 1 else present
+        if m.missing:
+            held = f"{held if len(m.copies) > 1 else 'on ' + held}, missing on {_ranks(m.missing)}"
+        size = sum(map(len, m.copies)) + len(m.missing)
+        if 2 * len(m.missing) > size:
+            return f"{held}; missing on most copies"
+        return f"{held}; no strict majority"
+    wrong = [rank for rank in m.ranks if rank not in m.missing]
+    parts = []
+    if wrong:
+        verb = "differs" if len(wrong) == 1 else "differ"
+        parts.append(f"{_ranks(wrong)} {verb} from rank {m.reference}")
+    elif m.missing:  # the copies that exist agree
+        parts.append(f"on {_ranks(m.copies[0])}")
+    if m.missing:
+        parts.append(f"missing on {_ranks(m.missing)}")
+    how = (
+        f"a strict majority holds rank {m.reference}'s copy"
+        if m.decided_by == MAJORITY
+        else f"repair_from names rank {m.reference}"
+    )
+    return f"{', '.join(parts)}; {how}"
+
+
 def listed(mismatches: Iterable[Mismatch]) -> str:
-    items = [
-        f"{m.name} ({', '.join(f'rank {r}' for r in m.ranks)} "
-        f"{'differs' if len(m.ranks) == 1 else 'differ'} from rank {m.reference})"
-        for m in mismatches
-    ]
+    """Each group that differs, with its ranks, in one line (the first few)."""
+    items = [f"{m.name} ({_phrase(m)})" for m in mismatches]
     shown = "; ".join(items[:_LISTED])
     return shown + (f"; and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
 
 
+_CAUSES = (
+    "Find the cause first: a scaler that decides per mesh, a wrong checkpoint shard, a "
+    "nondeterministic kernel, a faulty device."
+)
+
+
 def describe(mismatches: tuple[Mismatch, ...], compared: int, buffer_names: set[str]) -> str:
+    """The error of a check without repair: every differing group, named."""
     tensors = len({m.name for m in mismatches})
+    verb = "holds" if tensors == 1 else "hold"
+    what = (
+        "different bits, or no copy at all,"
+        if any(m.missing for m in mismatches)
+        else ("different bits")
+    )
+    repair = (
+        "pass repair=True to copy over the others the copy a strict majority of each group holds"
+    )
+    if any(m.reference is None for m in mismatches):
+        repair += (
+            "; where no strict majority exists, nothing tells which copy is right: reload the "
+            "last checkpoint on every rank, or name the ranks whose copies are right with "
+            "repair_from (the ranks that just reloaded a checkpoint)"
+        )
     hint = ""
     if any(m.name in buffer_names for m in mismatches):
         hint = (
-            " If these are running statistics that each rank updates from its own batch "
-            "(BatchNorm without SyncBatchNorm), pass buffers=False."
+            " If a buffer is rank-local by design (a per-band latitude weight under domain "
+            "parallelism), declare it: distinct_along=[(buffers, group)]. If these are running "
+            "statistics that each rank updates from its own batch (BatchNorm without "
+            "SyncBatchNorm), pass buffers=False."
         )
-    verb = "holds" if tensors == 1 else "hold"
     return (
-        f"{WHAT}: {tensors} of the {compared} tensors with copies {verb} different bits on ranks "
-        f"that hold copies of them: {listed(mismatches)}. Nothing was modified: pass "
-        "repair=True to copy each reference copy over the copies that differ (after finding "
-        "the cause: a scaler that decides per mesh, a wrong checkpoint shard, a nondeterministic "
-        f"kernel, a faulty device).{hint}"
+        f"{WHAT}: {tensors} of the {compared} tensors with copies {verb} {what} on ranks that "
+        f"hold copies of them: {listed(mismatches)}. Nothing was modified: {repair}. "
+        f"{_CAUSES}{hint}"
+    )
+
+
+def refusal(mismatches: tuple[Mismatch, ...], repair_from: tuple[int, ...]) -> str:
+    """The error of a repair refused: the groups where nothing tells which copy is right."""
+    refused = [m for m in mismatches if m.reference is None]
+    others = [m for m in mismatches if m.reference is not None]
+    tensors = len({m.name for m in mismatches})
+    named = ""
+    if repair_from:
+        named = f" (repair_from={list(repair_from)} names no rank of theirs that holds a copy)"
+    rest = f" The others could be repaired: {listed(others)}." if others else ""
+    return (
+        f"{WHAT}: cannot repair {len({m.name for m in refused})} of the {tensors} tensors whose "
+        f"copies differ, as nothing tells which copy is right{named}: {listed(refused)}. "
+        "Nothing was modified. Reload the last checkpoint on every rank, or name the ranks "
+        "whose copies are right with repair_from (for instance the ranks that just reloaded a "
+        f"checkpoint). {_CAUSES}{rest}"
     )

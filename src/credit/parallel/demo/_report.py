@@ -166,9 +166,13 @@ def torch_scaler(step: int, skipped: list[bool], diverged: str | None) -> None:
 
 def mismatches(step: int, found: Iterable[Mismatch]) -> str:
     """What a failed replica check found, in one line: the first two tensors, each with every
-    rank whose copy differs."""
+    rank whose copy differs from a strict majority's, or the ranks of each group that disagree
+    where no strict majority tells which copy is right."""
     by_name: dict[str, list[str]] = {}
     for m in found:
+        if m.reference is None:
+            by_name.setdefault(m.name, []).append(f"{_ranks(list(m.ranks))} disagree")
+            continue
         by_name.setdefault(m.name, []).extend(f"rank {r} from rank {m.reference}" for r in m.ranks)
     shown = "; ".join(f"{name} ({', '.join(pairs)})" for name, pairs in list(by_name.items())[:2])
     more = f"; and {len(by_name) - 2} more" if len(by_name) > 2 else ""
