@@ -58,24 +58,27 @@ class Plan:
     Attributes:
         groups: each gradient's copy group on this rank (None where it holds nothing).
         compared: the gradients with copies (groups larger than one), the only ones fingerprinted.
-        slots: the sum each compared gradient adds into.
         slot_count: how many sums, the same on every rank.
-        coefficients: ``rho * (ref - 1 / c)`` per compared gradient.
-        scales: ``rho * (ref + 1 / c) * tau`` per compared gradient: the tolerance it adds.
+        factors: per compared gradient, ``rho * (ref - 1 / c)`` and ``rho * (ref + 1 / c) * tau``
+            (the tolerance it adds), float64 on the device, shape (len(compared), 2).
+        slots: per compared gradient, the sum it adds into, an index tensor on the device.
     """
 
     groups: list[CopyGroup | None]
     compared: list[int]
-    slots: list[int]
     slot_count: int
-    coefficients: list[float]
-    scales: list[float]
+    factors: Tensor
+    slots: Tensor
 
 
 def plan(
-    held: list[Holding], groups: list[CopyGroup | None], slot_of: list[int], slot_count: int
+    held: list[Holding],
+    groups: list[CopyGroup | None],
+    slot_of: list[int],
+    slot_count: int,
+    device: torch.device,
 ) -> Plan:
-    """The :class:`Plan` of one layout.
+    """The :class:`Plan` of one layout, its constants on ``device`` in one host-to-device copy.
 
     Args:
         held: what this rank holds of each gradient.
@@ -83,23 +86,27 @@ def plan(
         slot_of: the sum each gradient adds into (per gradient within a stage, per stage across
             pipeline stages).
         slot_count: the number of sums.
+        device: where the comparison's tensors live.
     """
     compared = [i for i, group in enumerate(groups) if group is not None and group.size > 1]
-    coefficients, scales = [], []
+    rows = []
     for index in compared:
         group = groups[index]
         assert group is not None
         rho = _pseudo_random(index, *group.key)
         ref = 1.0 if group.is_reference else 0.0
-        coefficients.append(rho * (ref - 1.0 / group.size))
-        scales.append(rho * (ref + 1.0 / group.size) * tolerance(held[index].dtype))
+        coefficient = rho * (ref - 1.0 / group.size)
+        scale = rho * (ref + 1.0 / group.size) * tolerance(held[index].dtype)
+        rows.append([coefficient, scale, float(slot_of[index])])
+    constants = torch.zeros(0, 3, dtype=torch.float64, device=device)
+    if rows:  # one copy, where some gradient has copies
+        constants = torch.tensor(rows, dtype=torch.float64, device=device)
     return Plan(
         groups=groups,
         compared=compared,
-        slots=[slot_of[i] for i in compared],
         slot_count=slot_count,
-        coefficients=coefficients,
-        scales=scales,
+        factors=constants[:, :2],
+        slots=constants[:, 2].long(),
     )
 
 
@@ -116,11 +123,16 @@ def _pseudo_random(*key: int) -> float:
 
 def fingerprints(tensors: list[Tensor], device: torch.device) -> Tensor:
     """Each tensor's L2 norm and projections, in float64 on ``device``: shape (len, _COLUMNS)."""
+    if not tensors:
+        return torch.zeros(0, _COLUMNS, dtype=torch.float64, device=device)
     flats = [(torch.view_as_real(t) if t.is_complex() else t).reshape(-1) for t in tensors]
-    prints = torch.zeros(len(flats), _COLUMNS, dtype=torch.float64, device=device)
+    # Each row is put in its place on the host (a list), not through an index tensor.
+    norms: list[Tensor] = [torch.empty(0)] * len(flats)
     for indices in group_indices_by_device_and_dtype(flats).values():
-        norms = foreach_norm([flats[i] for i in indices], 2.0, torch.float64)
-        prints[indices, 0] = torch.stack(norms).to(device)
+        found = foreach_norm([flats[i] for i in indices], 2.0, torch.float64)
+        for index, norm in zip(indices, found, strict=True):
+            norms[index] = norm.to(device)
+    projections: list[Tensor] = [torch.empty(0)] * len(flats)
     # Shorter than a period: the projections are the products with the patterns' first rows, for
     # all such tensors of a device in one padded product.
     short: dict[torch.device, list[int]] = {}
@@ -128,12 +140,13 @@ def fingerprints(tensors: list[Tensor], device: torch.device) -> Tensor:
         if flat.numel() <= _PERIOD:
             short.setdefault(flat.device, []).append(index)
         else:
-            prints[index, 1:] = _long_projections(flat)
+            projections[index] = _long_projections(flat).to(device)
     for where, indices in short.items():
         padded = pad_sequence([flats[i] for i in indices], batch_first=True)
         products = padded.to(torch.float64) @ _patterns(where)[: padded.shape[1]]
-        prints[indices, 1:] = products.to(device)
-    return prints
+        for index, row in zip(indices, products.to(device).unbind(0), strict=True):
+            projections[index] = row
+    return torch.cat([torch.stack(norms)[:, None], torch.stack(projections)], dim=1)
 
 
 def _long_projections(flat: Tensor) -> Tensor:
@@ -154,39 +167,35 @@ def _patterns(device: torch.device) -> Tensor:
     return (2 * signs - 1).to(torch.float64).to(device)
 
 
-def terms(plan: Plan, local: list[Tensor], device: torch.device) -> tuple[Tensor, bool]:
+def terms(plan: Plan, local: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
     """This rank's addends of the comparison, shape (slot_count, WIDTH), and whether a
-    fingerprint was not finite (then the addends are zeros: NaN and inf cannot be compared).
+    fingerprint was not finite (1.0, else 0.0; then the addends are zeros: NaN and inf cannot be
+    compared), both float64 on ``device``. Nothing is read on the host.
 
     Columns: ``sum coefficient * f``, ``sum coefficient * f**2``, and the tolerances of both,
     ``sum scale * (|x| + |f|)`` and ``sum scale * (|x| + |f|)**2``, ``|x|`` being the norm.
     """
     summed = torch.zeros(plan.slot_count, WIDTH, dtype=torch.float64, device=device)
     if not plan.compared:
-        return summed, False
+        return summed, torch.zeros((), dtype=torch.float64, device=device)
     prints = fingerprints([local[i] for i in plan.compared], device)
-    if not bool(torch.isfinite(prints).all()):
-        return summed, True
-    coefficients = torch.tensor(plan.coefficients, dtype=torch.float64, device=device)
-    scales = torch.tensor(plan.scales, dtype=torch.float64, device=device)
+    nonfinite = ~torch.isfinite(prints).all()
+    coefficients, scales = plan.factors[:, :1], plan.factors[:, 1:]
     bound = prints[:, :1] + prints.abs()
     addends = torch.cat(
-        [
-            coefficients[:, None] * prints,
-            coefficients[:, None] * prints**2,
-            scales[:, None] * bound,
-            scales[:, None] * bound**2,
-        ],
+        [coefficients * prints, coefficients * prints**2, scales * bound, scales * bound**2],
         dim=1,
     )
-    slots = torch.tensor(plan.slots, device=device)
-    return summed.index_add_(0, slots, addends), False
+    addends = torch.where(nonfinite, 0.0, addends)
+    return summed.index_add_(0, plan.slots, addends), nonfinite.to(torch.float64)
 
 
-def agree(summed: Tensor) -> bool:
-    """Whether every sum of :func:`terms`, reduced over the world, is within its tolerance."""
+def differ(summed: Tensor) -> Tensor:
+    """Whether any sum of :func:`terms`, reduced over the world, is outside its tolerance (a NaN
+    too): a boolean scalar beside the sums, not read on the host."""
     first, second, first_bound, second_bound = summed.split(_COLUMNS, dim=1)
-    return bool((first.abs() <= first_bound).all() and (second.abs() <= second_bound).all())
+    within = (first.abs() <= first_bound).all() & (second.abs() <= second_bound).all()
+    return ~within
 
 
 # ---------------------------------------------------------------------------------------------

@@ -185,9 +185,8 @@ def _nonfinite(normed: Normed, inputs: list[int]) -> Tensor:
         return (~torch.isfinite(normed.total)).to(torch.float32)
     if not inputs:
         return torch.zeros((), dtype=torch.float32, device=normed.total.device)
-    stacked = {index: position for position, index in enumerate(normed.stacked_inputs)}
-    positions = torch.tensor([stacked[index] for index in inputs], device=normed.entries.device)
-    return (~torch.isfinite(normed.entries[positions])).any().to(torch.float32)
+    entries = normed.entries.index_select(0, normed.positions(inputs))
+    return (~torch.isfinite(entries)).any().to(torch.float32)
 
 
 def _memory(tensor: Tensor) -> tuple:

@@ -14,6 +14,7 @@ zero, whether or not anything listens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,6 +37,9 @@ class Normed:
         answers_world: whether the listeners may read the world's answers from this norm: it
             reduced over the world, and (under pipeline stages) no rank had anything left
             unanswered. The same on every rank.
+        positions: the places of some gradients (input indices) in the stacking order, as an
+            index tensor beside ``entries``: kept with the layout, so that reading entries
+            costs no copy from the host after the first time.
     """
 
     local: list[Tensor]
@@ -44,6 +48,7 @@ class Normed:
     entries: Tensor | None
     total: Tensor
     answers_world: bool
+    positions: Callable[[list[int]], Tensor]
 
 
 class NormListener(Protocol):

@@ -31,21 +31,28 @@ def unsupported(grads_held: list[Holding]) -> str | None:
     return None
 
 
-def complete(local: list[Tensor], held: list[Holding]) -> list[Tensor]:
-    """``local`` with every Partial gradient's addends replaced by their reduced sum (a copy).
+def batches(held: list[Holding]) -> list[list[int]]:
+    """The Partial gradients completed together, by input index: those that reduce over the same
+    mesh dims, with the same dtype and device, in order of first appearance (empty without any).
 
     Every rank of a reduction group holds the same Partial gradients (they belong to the same
-    parameters), so the all_reduces match; groups are reduced in order of first appearance.
+    parameters), so their all_reduces match.
     """
-    batches: dict[tuple, list[int]] = {}
+    found: dict[tuple, list[int]] = {}
     for index, holding in enumerate(held):
         if holding.partial_dims:
             key = (id(holding.mesh), holding.partial_dims, holding.dtype, holding.device)
-            batches.setdefault(key, []).append(index)
-    if not batches:
+            found.setdefault(key, []).append(index)
+    return list(found.values())
+
+
+def complete(local: list[Tensor], held: list[Holding], batched: list[list[int]]) -> list[Tensor]:
+    """``local`` with every Partial gradient's addends replaced by their reduced sum (a copy), in
+    one all_reduce per batch of :func:`batches` and per Partial mesh dim."""
+    if not batched:
         return local
     completed = list(local)
-    for indices in batches.values():
+    for indices in batched:
         first = held[indices[0]]
         assert first.mesh is not None
         flat = torch.cat([local[i].reshape(-1) for i in indices])

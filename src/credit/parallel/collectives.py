@@ -199,7 +199,8 @@ def total_grad_norm(
     element, and that the ranks taken for copies of a shard hold the same values (compared by
     fingerprints, within a tolerance of rounding); it raises on every rank when either fails,
     rather than average values that are not copies. A call whose gradients hold a NaN or inf
-    leaves the comparison to the next call.
+    leaves the comparison to the next call. Later calls for that layout read nothing back to the
+    host and copy nothing from it (with ``pp_group``, one read; see the guide's "Host syncs").
 
     Plain tensors alone are replicas (DDP): once the first call has proven them equal, each rank
     reduces them locally, exactly as torch does, with no collective. Ranks that train models of
@@ -219,7 +220,9 @@ def total_grad_norm(
         error_if_nonfinite: raise RuntimeError (on every rank) when the total norm is nan or inf.
         foreach: use the foreach kernels; None uses them where the device supports them.
         pp_group: ProcessGroup or 1D DeviceMesh of this rank's pipeline peers (one rank per
-            stage). With it the norm covers every stage's gradients, at no extra collective.
+            stage). With it the norm covers every stage's gradients, at no extra collective, and
+            reads a few numbers back to the host once per call (what the stages decide
+            together: the result's dtype, a first call's verification).
         distinct_along: ``(tensors, group)`` pairs declaring gradients whose copies differ along
             ``group`` instead of being replicas: experts held per expert-parallel rank as plain
             tensors or as DTensors on a mesh without the ep dim. Each copy then counts once.

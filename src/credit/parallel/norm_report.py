@@ -121,15 +121,18 @@ def grad_norm_report(
     names = _report_names(keys, group_by, groups, request.pp_group)
     segment_of = [names.index(key) for key in keys]
     reduced = _norms.reduce(grads, request, segment_of, len(names))
-    if reduced.present is None:  # one stage: group the per-gradient norms
-        norms, present = _group_norms(reduced, segment_of, len(names), order)
-    else:
-        norms, present = reduced.entries, reduced.present > 0
-    values = torch.cat([norms.to(reduced.total), reduced.total.reshape(1)]).tolist()
+    count, total = len(names), reduced.total
+    if reduced.host is None:  # one stage: group the per-gradient norms
+        norms, present = _group_norms(reduced, segment_of, count, order)
+        values = torch.cat([norms.to(total), total.reshape(1)]).tolist()  # the one read
+    else:  # stages: each group's norm and the total came back with the norm's own read
+        norms_and_total = torch.tensor(reduced.host[: count + 1], dtype=torch.float64)
+        values = norms_and_total.to(total.dtype).tolist()
+        present = [held > 0 for held in reduced.host[count + 1 :]]
     keep_all = group_by is not None or groups is not None
     report = {
         name: value
-        for name, value, held in zip(names, values, present.tolist(), strict=False)
+        for name, value, held in zip(names, values, present, strict=False)
         if keep_all or held
     }
     report[TOTAL] = values[-1]
@@ -138,18 +141,25 @@ def grad_norm_report(
 
 def _group_norms(
     reduced: _norms.Reduced, segment_of: list[int], count: int, order: float
-) -> tuple[Tensor, Tensor]:
-    """Each group's norm from the per-gradient norms, and whether the group has gradients."""
-    assert reduced.entry_inputs is not None
+) -> tuple[Tensor, list[bool]]:
+    """Each group's norm from the per-gradient norms, and whether the group has gradients.
+
+    The positions of each group's norms are index tensors kept with the layout's order, built on
+    the device the first time this grouping is asked for.
+    """
     entries = reduced.entries
     members: list[list[int]] = [[] for _ in range(count)]
-    for entry, index in enumerate(reduced.entry_inputs):
-        members[segment_of[index]].append(entry)
+    for position, index in enumerate(reduced.order.stacked):
+        members[segment_of[index]].append(position)
+    held = [positions for positions in members if positions]
+    indices = iter(reduced.order.indices(("groups", tuple(segment_of)), lambda: held))
     norms = [
-        torch.linalg.vector_norm(entries[indices], order) if indices else entries.new_zeros(())
-        for indices in members
+        torch.linalg.vector_norm(entries.index_select(0, next(indices)), order)
+        if positions
+        else entries.new_zeros(())
+        for positions in members
     ]
-    present = torch.tensor([bool(indices) for indices in members])
+    present = [bool(positions) for positions in members]
     return (torch.stack(norms) if norms else entries.new_zeros(0)), present
 
 
