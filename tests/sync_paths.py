@@ -402,9 +402,12 @@ def _norm_rows() -> list[Row]:
 
 ROWS: tuple[Row, ...] = (
     *_norm_rows(),
-    Row("total_grad_norm pp_group, p=2", partial(_pipeline_norm, 2.0)),
-    Row("total_grad_norm pp_group, p=inf", partial(_pipeline_norm, math.inf)),
-    Row("clip_grad_norm_ pp_group", _pipeline_clip),
+    # Under pipeline stages one read per call brings back every cross-stage decision: whether
+    # another stage met a new layout (then every rank verifies), the stages' result dtype, and
+    # whether every scaler flag was answered. No rank can know them without it.
+    Row("total_grad_norm pp_group, p=2", partial(_pipeline_norm, 2.0), reads=1),
+    Row("total_grad_norm pp_group, p=inf", partial(_pipeline_norm, math.inf), reads=1),
+    Row("clip_grad_norm_ pp_group", _pipeline_clip, reads=1),
     Row(
         "total_grad_norm error_if_nonfinite=True",
         partial(_nonfinite_error, "total_grad_norm"),
@@ -436,6 +439,7 @@ ROWS: tuple[Row, ...] = (
     Row(
         "GradScaler fused AdamW with pp_group: unscale_, clip, step, update",
         partial(_amp_step, "pp", "fused", "clip"),
+        reads=1,
     ),
     # torch's own read: a foreach optimizer's step is taken or skipped on the host.
     Row(
