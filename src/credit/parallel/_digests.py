@@ -1,8 +1,8 @@
 """Bit-exact digests of tensors: four 64-bit numbers of their raw bits, computed where they live.
 
 A tensor is read as a sequence of signed integer words ``x_0 .. x_{n-1}``: its raw bits 8, 16 or 32
-at a time (one word per element up to 4-byte elements, two or four per larger element). Its
-digest is four lanes, all mod 2^64::
+at a time (one word per element up to 4-byte elements, two or four per larger element; complex32,
+a 4-byte element, is one word). Its digest is four lanes, all mod 2^64::
 
     D0 = sum_j (2j + 1) x_j
     Dk = sum_j u_k(j // 64) a_k(j % 64) x_j        k = 1, 2, 3
@@ -21,133 +21,303 @@ the same in every process. Copies with the same bits have the same digest; copie
   words, with alternating directions; two 8-byte elements swapped whose halves differ by opposite
   amounts), which the other lanes then catch with that probability.
 
-The lanes come from float64 matrix products per (device, word width): the words, 64 to a row
-(each tensor padded with zeros to whole rows), times a 64 x 5 matrix of small integer weights
-(a row sum, the D0 weights ``2c + 1``, the three ``a_k``). Every product and partial sum is an
-integer below 2^53 (64 words of at most 2^31 times weights below 2^16), so float64 computes them
-exactly, in whatever order BLAS or cuBLAS adds them. The per-row results are combined in int64,
-whose arithmetic wraps mod 2^64 on every device. A large tensor is read twice, where it lies:
-converted to float64 a block of 2 MiB at a time, and multiplied; the small ones are first copied
-together.
+How they are computed. The words are laid 64 to a row (each tensor padded with zeros to whole
+rows) and multiplied, as float64, by a 64 x 5 matrix of small integer weights (a row sum, the D0
+weights ``2c + 1``, the three ``a_k``). Every product and partial sum is an integer of magnitude
+below 64 * 2^31 * 2^16 = 2^53, so float64 computes them exactly, in whatever order BLAS or cuBLAS
+adds them. Row ``r`` of a tensor then adds, in int64 (whose arithmetic wraps mod 2^64 on every
+device), ``2 * 64 * r * (row sum) + (its D0 sum)`` to D0 and ``u_k(r) * (its Dk sum)`` to Dk.
+
+A :class:`Plan`, built once per layout (the tensors' dtypes, element counts and devices), holds
+everything that does not depend on the values, on the tensors' devices: which tensors are copied
+together and where the zero padding goes, each copied row's tensor and row index, the row
+coefficients ``(2 * 64 * r, 1, u_1(r), u_2(r), u_3(r))`` and the weights. Applying it reads no
+value back to the host and builds no tensor from host data; its work does not grow with the
+number of tensors but per group: the small tensors of one dtype are copied together (one
+``cat``), a tensor of at least 4096 rows is read where it lies (its last partial row copied with
+the small ones), rows are converted to float64 a block at a time and multiplied, and the row
+results are weighted and added up per tensor (one ``index_add_`` per group).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors
 
+__all__ = ["LANES", "Plan", "digests", "odd_weight", "plan"]
+
 LANES = 4
 _ROW = 64  # words per row
 _RANDOM_LANES = LANES - 1
+_COLUMNS = 2 + _RANDOM_LANES  # per row: the row sum, the D0 sum, the three Dk sums
 _WEIGHT_BOUND = 2**16
-_ROWS_PER_BLOCK = 1 << 12  # rows converted to float64 at a time (2 MiB)
-_WORD_TYPES = {1: torch.int8, 2: torch.int16}  # wider elements are read as 32-bit words
+# A tensor of at least this many rows (1 MiB of 32-bit words) is read where it lies, not copied.
+_IN_PLACE_ROWS = 1 << 12
+# Rows converted to float64 at a time: 2 MiB on a CPU (the block stays in cache for the product),
+# 32 MiB elsewhere (fewer launches; a GPU streams it at full bandwidth).
+_CPU_BLOCK_ROWS = 1 << 12
+_DEVICE_BLOCK_ROWS = 1 << 16
+_INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Dtypes whose tensors are copied together as they are: torch copies them bit for bit under any
+# strides, on every device. The others are first viewed as their words, one view per tensor:
+# complex32, float8, unsigned, sub-byte and bit types (some have no copy kernel), and bool (a copy
+# writes any nonzero byte as 1, which would hide a flipped bit).
+_COPIED_AS_THEY_ARE = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex128,
+        torch.complex64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+    }
+)
 
 
-def digests(tensors: list[Tensor]) -> Tensor:
+def digests(tensors: Sequence[Tensor]) -> Tensor:
     """The digest of each tensor: int64, shape ``(len(tensors), LANES)``, on the first tensor's
-    device (on the CPU when there is none)."""
-    device = tensors[0].device if tensors else torch.device("cpu")
-    result = torch.zeros(len(tensors), LANES, dtype=torch.int64, device=device)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
-    for (where, _), indices in groups.items():
-        lanes = _lanes([tensors[i] for i in indices], where)
-        result[indices] = lanes.to(device)
-    return result
+    device (on the CPU when there is none). Builds a :class:`Plan` and applies it; a caller that
+    digests the same layout again keeps the plan instead."""
+    return plan(tensors)(tensors)
+
+
+def plan(tensors: Sequence[Tensor]) -> Plan:
+    """The plan that digests tensors of the layout of ``tensors`` (their dtypes, element counts
+    and devices, in order): built once, applied to each call's tensors of that layout.
+
+    Raises:
+        ValueError: a tensor is not a dense strided tensor.
+        TypeError: a tensor is quantized (its values are not its raw bits alone).
+    """
+    return Plan(tensors)
+
+
+class Plan:
+    """Digests of tensors of one layout, with every constant it needs on the tensors' devices.
+
+    Calling it with tensors of that layout returns their digests, int64 of shape
+    ``(len(tensors), LANES)`` on the first tensor's device, with no host sync: no value read back,
+    no tensor built from host data. Tensors on another device than the first have their lanes
+    moved to it (one copy per such device).
+    """
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        for position, tensor in enumerate(tensors):
+            if tensor.layout != torch.strided:
+                raise ValueError(f"tensor {position} is of layout {tensor.layout}: dense only")
+            if tensor.is_quantized:
+                raise TypeError(
+                    f"tensor {position} is quantized ({tensor.dtype}): its scale and zero point "
+                    "are not among its raw bits"
+                )
+        self._dtypes = [tensor.dtype for tensor in tensors]
+        self._numels = [tensor.numel() for tensor in tensors]
+        self._device = tensors[0].device if tensors else torch.device("cpu")
+        devices = dict.fromkeys(tensor.device for tensor in tensors)
+        self._parts = [
+            part
+            for part in (_DevicePart.build(tensors, device) for device in devices)
+            if part is not None
+        ]
+
+    @torch.no_grad()
+    def __call__(self, tensors: Sequence[Tensor]) -> Tensor:
+        """The digests of ``tensors``, which must have the plan's layout.
+
+        Raises:
+            ValueError: ``tensors`` do not have the layout the plan was built for.
+        """
+        self._check(tensors)
+        count = len(tensors)
+        if not self._parts:  # only empty tensors (or none): every lane is zero
+            return torch.zeros(count, LANES, dtype=torch.int64, device=self._device)
+        total = self._parts[0].sums(tensors, count)
+        for part in self._parts[1:]:
+            total = total + part.sums(tensors, count).to(total.device)
+        # D0 = sum 2 * 64 * r * (row sum) + sum (D0 row sum); Dk = sum u_k(r) (Dk row sum)
+        return torch.cat([total[:, :1] + total[:, 1:2], total[:, 2:]], dim=1)
+
+    def _check(self, tensors: Sequence[Tensor]) -> None:
+        dtypes = [tensor.dtype for tensor in tensors]
+        numels = [tensor.numel() for tensor in tensors]
+        if dtypes == self._dtypes and numels == self._numels:
+            return
+        if len(tensors) != len(self._dtypes):
+            raise ValueError(
+                f"the plan digests {len(self._dtypes)} tensors, got {len(tensors)}: "
+                "build a plan for this layout"
+            )
+        position = next(
+            i
+            for i, (dtype, numel) in enumerate(zip(dtypes, numels, strict=True))
+            if (dtype, numel) != (self._dtypes[i], self._numels[i])
+        )
+        raise ValueError(
+            f"tensor {position} is {dtypes[position]} of {numels[position]} elements; the plan "
+            f"was built for {self._dtypes[position]} of {self._numels[position]}: build a plan "
+            "for this layout"
+        )
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Tensors (or the last partial rows of large ones) copied together into rows of words, each
+    padded with zeros to whole rows.
+
+    ``items`` lists, in order, ``(position, first word)`` of a member, or a zero tensor (its
+    padding). A member is copied as it is (``viewed`` False; its first word is 0), or its words
+    from the first on (``viewed`` True). ``owner`` and ``row_of`` give each row's tensor and its
+    row index in that tensor.
+    """
+
+    items: tuple[tuple[int, int] | Tensor, ...]
+    viewed: bool
+    word: torch.dtype
+    owner: Tensor
+    row_of: Tensor
+
+    def rows(self, tensors: Sequence[Tensor]) -> Tensor:
+        if self.viewed:
+            parts = [
+                _words(tensors[item[0]])[item[1] :] if isinstance(item, tuple) else item
+                for item in self.items
+            ]
+        else:
+            parts = [tensors[item[0]] if isinstance(item, tuple) else item for item in self.items]
+        return _flatten_dense_tensors(parts).view(self.word).view(-1, _ROW)
+
+
+@dataclass(frozen=True)
+class _DevicePart:
+    """What the tensors on one device need: their groups, the tensors read where they lie
+    (position, whole rows), the weights and the row coefficients."""
+
+    groups: list[_Group]
+    in_place: list[tuple[int, int]]
+    weights: Tensor  # (5, 64) float64, used transposed (the faster product on MKL)
+    coefficients: Tensor  # (rows, 5) int64: 2 * 64 * r, 1, u_1(r), u_2(r), u_3(r)
+    block_rows: int
+
+    @classmethod
+    def build(cls, tensors: Sequence[Tensor], device: torch.device) -> _DevicePart | None:
+        members: dict[tuple[torch.dtype, bool], list[tuple[int, int, int]]] = {}
+        in_place: list[tuple[int, int]] = []
+        for position, tensor in enumerate(tensors):
+            if tensor.device != device or tensor.numel() == 0:
+                continue
+            length = tensor.numel() * _words_per_element(tensor.dtype)
+            word = _word_dtype(tensor.dtype)
+            if length >= _IN_PLACE_ROWS * _ROW:
+                in_place.append((position, length // _ROW))
+                if length % _ROW:  # the last partial row, copied with the small tensors
+                    first = length - length % _ROW
+                    members.setdefault((word, True), []).append((position, first, length))
+            elif tensor.dtype in _COPIED_AS_THEY_ARE:
+                members.setdefault((tensor.dtype, False), []).append((position, 0, length))
+            else:
+                members.setdefault((word, True), []).append((position, 0, length))
+        if not members and not in_place:
+            return None
+        groups = [
+            _group(found, dtype, viewed, device) for (dtype, viewed), found in members.items()
+        ]
+        longest = max(
+            [rows for _, rows in in_place]
+            + [-(-stop // _ROW) for found in members.values() for _, _, stop in found]
+        )
+        return cls(
+            groups=groups,
+            in_place=in_place,
+            weights=_weights(device).t().contiguous(),
+            coefficients=_coefficients(longest, device),
+            block_rows=_CPU_BLOCK_ROWS if device.type == "cpu" else _DEVICE_BLOCK_ROWS,
+        )
+
+    def sums(self, tensors: Sequence[Tensor], count: int) -> Tensor:
+        """Per tensor, its rows' five sums times their coefficients, added up: int64 ``(count,
+        5)`` (zero for the tensors on other devices)."""
+        device = self.weights.device
+        total = torch.zeros(count, _COLUMNS, dtype=torch.int64, device=device)
+        for group in self.groups:
+            products = self._row_sums(group.rows(tensors)).to(torch.int64)
+            products.mul_(self.coefficients.index_select(0, group.row_of))
+            total.index_add_(0, group.owner, products)
+        for position, rows in self.in_place:
+            words = _words(tensors[position])[: rows * _ROW].view(rows, _ROW)
+            products = self._row_sums(words).to(torch.int64).mul_(self.coefficients[:rows])
+            total[position].add_(products.sum(0))
+        return total
+
+    def _row_sums(self, rows: Tensor) -> Tensor:
+        """``rows`` (integer words) times the weights, exactly: float64 ``(len(rows), 5)``,
+        converted a block of rows at a time."""
+        count = rows.shape[0]
+        out = torch.empty(count, _COLUMNS, dtype=torch.float64, device=rows.device)
+        block = torch.empty(
+            min(count, self.block_rows), _ROW, dtype=torch.float64, device=rows.device
+        )
+        for start in range(0, count, self.block_rows):
+            stop = min(count, start + self.block_rows)
+            converted = block[: stop - start].copy_(rows[start:stop])
+            torch.mm(converted, self.weights.t(), out=out[start:stop])
+        return out
+
+
+def _group(
+    found: list[tuple[int, int, int]], dtype: torch.dtype, viewed: bool, device: torch.device
+) -> _Group:
+    """The group of ``found`` (position, first word, word after the last), copied as ``dtype``
+    (its words when ``viewed``), with each member's padding and its rows' tensor and index."""
+    per_element = 1 if viewed else _words_per_element(dtype)
+    zeros = torch.zeros((_ROW - 1) // per_element, dtype=dtype, device=device)
+    items: list[tuple[int, int] | Tensor] = []
+    for position, first, stop in found:
+        items.append((position, first))
+        padding = -(stop - first) % _ROW
+        if padding:
+            items.append(zeros[: padding // per_element])
+    positions = torch.tensor([position for position, _, _ in found])
+    first_rows = torch.tensor([first // _ROW for _, first, _ in found])
+    counts = torch.tensor([-(-(stop - first) // _ROW) for _, first, stop in found])
+    owner = torch.repeat_interleave(positions, counts)
+    starts = torch.cumsum(counts, 0) - counts  # each member's first row in the group
+    row_of = torch.arange(int(counts.sum())) - torch.repeat_interleave(starts - first_rows, counts)
+    word = _word_dtype(dtype)
+    return _Group(tuple(items), viewed, word, owner.to(device), row_of.to(device))
+
+
+def _word_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The signed integer type of the words of a ``dtype`` tensor (see :func:`_words`)."""
+    return _INTEGERS[min(dtype.itemsize, 4)]
+
+
+def _words_per_element(dtype: torch.dtype) -> int:
+    """How many words :func:`_words` reads from each element of a ``dtype`` tensor."""
+    return dtype.itemsize // _word_dtype(dtype).itemsize
 
 
 def _words(tensor: Tensor) -> Tensor:
-    """The raw bits of ``tensor`` as a flat tensor of signed 8-, 16- or 32-bit words."""
-    flat = tensor.reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    return flat.view(_WORD_TYPES.get(flat.element_size(), torch.int32))
+    """The raw bits of ``tensor`` as a flat tensor of signed 8-, 16- or 32-bit words: its elements
+    in row-major order, the bytes of each as the device stores them, a word at a time.
+
+    Viewed first as the integer type of the element's size (a view under any strides, for every
+    dtype), so that the copy a non-contiguous tensor needs is an integer copy.
+    """
+    size = tensor.element_size()
+    same_size = tensor.view(_INTEGERS[size]) if size in _INTEGERS else tensor
+    return same_size.reshape(-1).view(_word_dtype(tensor.dtype))
 
 
-def _lanes(tensors: list[Tensor], device: torch.device) -> Tensor:
-    """The lanes of each tensor (all on ``device``, of one dtype)."""
-    words_per_element = max(1, tensors[0].dtype.itemsize // 4)  # see _words
-    lengths = [tensor.numel() * words_per_element for tensor in tensors]
-    rows_of = [-(-length // _ROW) for length in lengths]
-    # Three kinds, each read in as few operations as it allows: a large tensor of whole rows
-    # where it lies; the other tensors of whole rows in one flat copy; the rest in one flat copy
-    # spread over rows padded with zeros.
-    kinds = [
-        0 if length % _ROW else (1 if length < _ROWS_PER_BLOCK * _ROW else 2) for length in lengths
-    ]
-    parts: dict[int, Tensor] = {}
-    for kind in sorted(set(kinds)):
-        members = [tensors[i] for i, k in enumerate(kinds) if k == kind]
-        if kind == 2:
-            parts[2] = torch.cat([_row_sums(_words(t).view(-1, _ROW)) for t in members])
-            continue
-        flat = _words(_flatten_dense_tensors(members) if len(members) > 1 else members[0])
-        if kind == 0:
-            member_lengths = [n for n, k in zip(lengths, kinds, strict=True) if k == 0]
-            flat = _padded(flat, member_lengths, device)
-        parts[kind] = _row_sums(flat.view(-1, _ROW))
-    if len(parts) == 1:
-        (sums,) = parts.values()
-    else:  # the parts' rows back in the tensors' order (a permutation: no host sync)
-        row_kinds = _repeat(torch.tensor(kinds, device=device), rows_of, device)
-        order = torch.argsort(row_kinds, stable=True)
-        sums = torch.empty(sum(rows_of), 2 + _RANDOM_LANES, dtype=torch.float64, device=device)
-        sums[order] = torch.cat([parts[kind] for kind in sorted(parts)])
-    return _combine(sums.to(torch.int64), rows_of, device)
-
-
-def _repeat(values: Tensor, counts: list[int], device: torch.device) -> Tensor:
-    """Each of ``values`` ``counts`` times, with the size known on the host (no sync)."""
-    return torch.repeat_interleave(
-        values, torch.tensor(counts, device=device), output_size=sum(counts)
-    )
-
-
-def _padded(flat: Tensor, lengths: list[int], device: torch.device) -> Tensor:
-    """``flat`` (word sequences of ``lengths``, one after the other) with each sequence padded
-    with zeros to whole rows: one index operation."""
-    padding = [-length % _ROW for length in lengths]
-    shifts = torch.tensor([0, *itertools.accumulate(padding)][:-1], device=device)
-    positions = torch.arange(flat.numel(), device=device) + _repeat(shifts, lengths, device)
-    rows = flat.new_zeros(sum(lengths) + sum(padding))
-    rows[positions] = flat
-    return rows
-
-
-def _row_sums(rows: Tensor) -> Tensor:
-    """``rows`` (integer words) times the weights: converted to float64 a block of rows at a
-    time."""
-    weights = _weights(rows.device)
-    out = torch.empty(rows.shape[0], 2 + _RANDOM_LANES, dtype=torch.float64, device=rows.device)
-    for start in range(0, rows.shape[0], _ROWS_PER_BLOCK):
-        block = rows[start : start + _ROWS_PER_BLOCK].to(torch.float64)
-        torch.mm(block, weights, out=out[start : start + _ROWS_PER_BLOCK])
-    return out
-
-
-def _combine(sums: Tensor, rows_of: list[int], device: torch.device) -> Tensor:
-    """Each tensor's lanes from its rows' sums (int64, wrapping): the row ``r`` of a tensor adds
-    ``2 * 64 * r * (row sum) + (its D0 sum)`` to D0 and ``u_k(r) * (its Dk sum)`` to Dk."""
-    owner = _repeat(torch.arange(len(rows_of), device=device), rows_of, device)
-    starts = torch.tensor([0, *itertools.accumulate(rows_of)][:-1], device=device)
-    row = torch.arange(sums.shape[0], dtype=torch.int64, device=device) - starts[owner]
-    per_row = torch.empty(sums.shape[0], LANES, dtype=torch.int64, device=device)
-    per_row[:, 0] = 2 * _ROW * row * sums[:, 0] + sums[:, 1]
-    longest = max(rows_of, default=0)
-    for lane in range(1, LANES):
-        per_row[:, lane] = _multipliers(longest, lane, device)[row] * sums[:, 1 + lane]
-    lanes = torch.zeros(len(rows_of), LANES, dtype=torch.int64, device=device)
-    return lanes.index_add_(0, owner, per_row)
-
-
-@functools.cache
 def _weights(device: torch.device) -> Tensor:
     """The 64 x 5 weights: ones, ``2c + 1``, and three columns drawn in [1, 2^16)."""
     generator = torch.Generator().manual_seed(0xD16E57)
@@ -155,6 +325,14 @@ def _weights(device: torch.device) -> Tensor:
     column = torch.arange(_ROW)
     weights = torch.cat([torch.ones(_ROW, 1), (2 * column + 1)[:, None], drawn], dim=1)
     return weights.to(torch.float64).to(device)
+
+
+def _coefficients(rows: int, device: torch.device) -> Tensor:
+    """Per row index ``r < rows``, what its five sums are multiplied by: ``2 * 64 * r`` (the row
+    sum, toward D0), 1 (the D0 sum) and ``u_1(r), u_2(r), u_3(r)``."""
+    index = torch.arange(rows, dtype=torch.int64, device=device)
+    lanes = [_odd_multipliers(index, lane) for lane in range(1, LANES)]
+    return torch.stack([2 * _ROW * index, torch.ones_like(index), *lanes], dim=1)
 
 
 def odd_weight(*key: object) -> int:
@@ -177,19 +355,6 @@ _MIX_2 = _signed(0x94D049BB133111EB)
 def _shift_right(values: Tensor, bits: int) -> Tensor:
     """The logical right shift of int64 values (torch's ``>>`` keeps the sign)."""
     return (values >> bits) & ((1 << (64 - bits)) - 1)
-
-
-_multiplier_tables: dict[tuple[int, torch.device], Tensor] = {}
-
-
-def _multipliers(rows: int, lane: int, device: torch.device) -> Tensor:
-    """``u_lane(r)`` for ``r < rows`` at least, from a table kept per device (grown as needed)."""
-    table = _multiplier_tables.get((lane, device))
-    if table is None or table.numel() < rows:
-        size = max(rows, 2 * table.numel() if table is not None else 1 << 12)
-        table = _odd_multipliers(torch.arange(size, dtype=torch.int64, device=device), lane)
-        _multiplier_tables[(lane, device)] = table
-    return table
 
 
 def _odd_multipliers(rows: Tensor, lane: int) -> Tensor:
