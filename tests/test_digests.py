@@ -56,7 +56,7 @@ def _reference(raw: Tensor, itemsize: int) -> list[int]:
         r, c = divmod(j, ROW)
         lanes[0] += (2 * j + 1) * x
         for k in (1, 2, 3):
-            lanes[k] += (multipliers[k - 1][r] % MOD) * weights[c][1 + k] * x
+            lanes[k] += (multipliers[k - 1][r] % MOD) * weights[1 + k][c] * x
     return [_signed(lane) for lane in lanes]
 
 
@@ -183,7 +183,7 @@ def _wrapping_reference(tensor: Tensor) -> Tensor:
     lanes = [((2 * j + 1) * words).sum()]
     for k in (1, 2, 3):
         u = _digests._odd_multipliers(j // ROW, k)
-        lanes.append((u * weights[j % ROW, 1 + k] * words).sum())
+        lanes.append((u * weights[1 + k, j % ROW] * words).sum())
     return torch.stack(lanes)
 
 
