@@ -218,6 +218,7 @@ def test_a_plan_digests_new_values_of_its_layout_and_refuses_another():
         ]
 
     plan = _digests.plan(layout())
+    assert plan.nbytes == 35 * 4 + (64 * 4096 + 5) * 2 + 3 * 8 + 20
     for _ in range(2):
         tensors = layout()
         assert torch.equal(plan(tensors), _digests.digests(tensors))
@@ -335,6 +336,11 @@ def test_a_planned_call_has_no_host_sync_and_its_kernels_do_not_grow_with_the_te
     steady_many = _traced(lambda: plan_many(many))
     assert steady_few.syncs == [] and steady_many.syncs == []
     assert _kernels(steady_few) == _kernels(steady_many)
+    only_small_few, only_small_many = few[:20], many[:2000]
+    plan_small_few, plan_small_many = _digests.plan(only_small_few), _digests.plan(only_small_many)
+    assert _kernels(_traced(lambda: plan_small_few(only_small_few))) == _kernels(
+        _traced(lambda: plan_small_many(only_small_many))
+    )
     assert not {"arange", "randint", "bitwise_xor", "cumsum"} & set(steady_many.ops)
     # What the trace flags, each caught: the old per-call index and size tensors, reads.
     x = torch.arange(10.0)

@@ -30,13 +30,16 @@ device), ``2 * 64 * r * (row sum) + (its D0 sum)`` to D0 and ``u_k(r) * (its Dk 
 
 A :class:`Plan`, built once per layout (the tensors' dtypes, element counts and devices), holds
 everything that does not depend on the values, on the tensors' devices: which tensors are copied
-together and where the zero padding goes, each copied row's tensor and row index, the row
-coefficients ``(2 * 64 * r, 1, u_1(r), u_2(r), u_3(r))`` and the weights. Applying it reads no
-value back to the host and builds no tensor from host data; its work does not grow with the
-number of tensors but per group: the small tensors of one dtype are copied together (one
-``cat``), a tensor of at least 4096 rows is read where it lies (its last partial row copied with
-the small ones), rows are converted to float64 a block at a time and multiplied, and the row
-results are weighted and added up per tensor (one ``index_add_`` per group).
+together and where the zero padding goes, each copied row's tensor and coefficients ``(2 * 64 *
+r, 1, u_1(r), u_2(r), u_3(r))`` for its row index ``r``, and the weights. Applying it reads no
+value back to the host and builds no tensor from host data, and the kernels it runs do not grow
+with the number of tensors, only with the groups and the bytes: the small tensors of one dtype
+are copied together (one ``cat`` per block of rows, 2 MiB of float64 on a CPU, 32 MiB elsewhere),
+a tensor of at least 4096 rows is read where it lies (its last partial row copied with the small
+ones), each block is converted to float64 while it is still in cache and multiplied, and the
+rows' results are weighted and added up per tensor (one ``index_add_`` per group). A call holds
+about one block of copied words and one of float64, beside the per-row results (five float64 and
+five int64 numbers per 64 words).
 """
 
 from __future__ import annotations
@@ -109,6 +112,9 @@ class Plan:
     ``(len(tensors), LANES)`` on the first tensor's device, with no host sync: no value read back,
     no tensor built from host data. Tensors on another device than the first have their lanes
     moved to it (one copy per such device).
+
+    Attributes:
+        nbytes: the bytes of the tensors it digests.
     """
 
     def __init__(self, tensors: Sequence[Tensor]) -> None:
@@ -122,6 +128,7 @@ class Plan:
                 )
         self._dtypes = [tensor.dtype for tensor in tensors]
         self._numels = [tensor.numel() for tensor in tensors]
+        self.nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
         self._device = tensors[0].device if tensors else torch.device("cpu")
         devices = dict.fromkeys(tensor.device for tensor in tensors)
         self._parts = [
@@ -169,43 +176,48 @@ class Plan:
         )
 
 
+_Item = tuple[int, int] | Tensor  # a member, (position, first word), or a zero tensor: padding
+
+
 @dataclass(frozen=True)
 class _Group:
     """Tensors (or the last partial rows of large ones) copied together into rows of words, each
-    padded with zeros to whole rows.
+    padded with zeros to whole rows, a chunk of at most one block of rows at a time (so that the
+    copy is still in cache when it is converted and multiplied).
 
-    ``items`` lists, in order, ``(position, first word)`` of a member, or a zero tensor (its
-    padding). A member is copied as it is (``viewed`` False; its first word is 0), or its words
-    from the first on (``viewed`` True). ``owner`` and ``row_of`` give each row's tensor and its
-    row index in that tensor.
+    Each chunk lists its members, each followed by its padding. A member is copied as it is
+    (``viewed`` False; its first word is 0), or its words from the first on (``viewed`` True).
+    ``owner`` gives each row's tensor, ``coefficients`` what the row's five sums are multiplied
+    by (those of its row index in that tensor).
     """
 
-    items: tuple[tuple[int, int] | Tensor, ...]
+    chunks: tuple[tuple[_Item, ...], ...]
     viewed: bool
     word: torch.dtype
-    owner: Tensor
-    row_of: Tensor
+    owner: Tensor  # (rows,) int64
+    coefficients: Tensor  # (5, rows) int64
 
-    def rows(self, tensors: Sequence[Tensor]) -> Tensor:
+    def rows(self, tensors: Sequence[Tensor], chunk: tuple[_Item, ...]) -> Tensor:
+        """The rows of words of one chunk."""
         if self.viewed:
             parts = [
                 _words(tensors[item[0]])[item[1] :] if isinstance(item, tuple) else item
-                for item in self.items
+                for item in chunk
             ]
         else:
-            parts = [tensors[item[0]] if isinstance(item, tuple) else item for item in self.items]
+            parts = [tensors[item[0]] if isinstance(item, tuple) else item for item in chunk]
         return _flatten_dense_tensors(parts).view(self.word).view(-1, _ROW)
 
 
 @dataclass(frozen=True)
 class _DevicePart:
     """What the tensors on one device need: their groups, the tensors read where they lie
-    (position, whole rows), the weights and the row coefficients."""
+    (position, whole rows) and the coefficients of their rows, and the weights."""
 
     groups: list[_Group]
     in_place: list[tuple[int, int]]
+    coefficients: Tensor  # (5, rows) int64 for row indices up to the longest read in place
     weights: Tensor  # (5, 64) float64
-    coefficients: Tensor  # (5, rows) int64: 2 * 64 * r, 1, u_1(r), u_2(r), u_3(r)
     block_rows: int
 
     @classmethod
@@ -228,19 +240,29 @@ class _DevicePart:
                 members.setdefault((word, True), []).append((position, 0, length))
         if not members and not in_place:
             return None
-        groups = [
-            _group(found, dtype, viewed, device) for (dtype, viewed), found in members.items()
-        ]
         longest = max(
             [rows for _, rows in in_place]
             + [-(-stop // _ROW) for found in members.values() for _, _, stop in found]
         )
+        table = _coefficients(longest, device)
+        most = max(  # rows a block ever holds: a tensor read in place, or a whole group
+            [rows for _, rows in in_place]
+            + [
+                sum(-(-(stop - first) // _ROW) for _, first, stop in found)
+                for found in members.values()
+            ]
+        )
+        block_rows = min(most, _CPU_BLOCK_ROWS if device.type == "cpu" else _DEVICE_BLOCK_ROWS)
+        groups = [
+            _group(found, dtype, viewed, table, block_rows)
+            for (dtype, viewed), found in members.items()
+        ]
         return cls(
             groups=groups,
             in_place=in_place,
+            coefficients=table[:, : max((rows for _, rows in in_place), default=0)].clone(),
             weights=_weights(device),
-            coefficients=_coefficients(longest, device),
-            block_rows=_CPU_BLOCK_ROWS if device.type == "cpu" else _DEVICE_BLOCK_ROWS,
+            block_rows=block_rows,
         )
 
     def sums(self, tensors: Sequence[Tensor], count: int) -> Tensor:
@@ -248,52 +270,69 @@ class _DevicePart:
         count)`` (zero for the tensors on other devices)."""
         device = self.weights.device
         total = torch.zeros(_COLUMNS, count, dtype=torch.int64, device=device)
+        block = torch.empty(self.block_rows, _ROW, dtype=torch.float64, device=device)
         for group in self.groups:
-            products = self._row_sums(group.rows(tensors)).to(torch.int64)
-            products.mul_(self.coefficients.index_select(1, group.row_of))
+            sums = torch.empty(group.coefficients.shape, dtype=torch.float64, device=device)
+            start = 0
+            for chunk in group.chunks:
+                rows = group.rows(tensors, chunk)
+                self._multiply(rows, block, sums[:, start : start + rows.shape[0]])
+                start += rows.shape[0]
+            products = sums.to(torch.int64).mul_(group.coefficients)
             total.index_add_(1, group.owner, products)
-        for position, rows in self.in_place:
-            words = _words(tensors[position])[: rows * _ROW].view(rows, _ROW)
-            products = self._row_sums(words).to(torch.int64).mul_(self.coefficients[:, :rows])
+        for position, rows_in_place in self.in_place:
+            words = _words(tensors[position])[: rows_in_place * _ROW].view(-1, _ROW)
+            sums = torch.empty(_COLUMNS, rows_in_place, dtype=torch.float64, device=device)
+            for start in range(0, rows_in_place, self.block_rows):
+                stop = start + self.block_rows
+                self._multiply(words[start:stop], block, sums[:, start:stop])
+            products = sums.to(torch.int64).mul_(self.coefficients[:, :rows_in_place])
             total[:, position].add_(products.sum(1))
         return total
 
-    def _row_sums(self, rows: Tensor) -> Tensor:
-        """The weights times ``rows`` (integer words), exactly: float64 ``(5, len(rows))``,
-        converted a block of rows at a time (5 x 64 by 64 x rows: the faster product on MKL)."""
-        count = rows.shape[0]
-        out = torch.empty(_COLUMNS, count, dtype=torch.float64, device=rows.device)
-        block = torch.empty(
-            min(count, self.block_rows), _ROW, dtype=torch.float64, device=rows.device
-        )
-        for start in range(0, count, self.block_rows):
-            stop = min(count, start + self.block_rows)
-            converted = block[: stop - start].copy_(rows[start:stop])
-            torch.mm(self.weights, converted.t(), out=out[:, start:stop])
-        return out
+    def _multiply(self, rows: Tensor, block: Tensor, out: Tensor) -> None:
+        """``out`` = the weights times ``rows`` (integer words, at most a block), exactly:
+        converted to float64 in ``block``, then 5 x 64 by 64 x rows (the faster product on
+        MKL)."""
+        converted = block[: rows.shape[0]].copy_(rows)
+        torch.mm(self.weights, converted.t(), out=out)
 
 
 def _group(
-    found: list[tuple[int, int, int]], dtype: torch.dtype, viewed: bool, device: torch.device
+    found: list[tuple[int, int, int]],
+    dtype: torch.dtype,
+    viewed: bool,
+    table: Tensor,
+    block_rows: int,
 ) -> _Group:
     """The group of ``found`` (position, first word, word after the last), copied as ``dtype``
-    (its words when ``viewed``), with each member's padding and its rows' tensor and index."""
+    (its words when ``viewed``) in chunks of at most ``block_rows`` rows, with each member's
+    padding, and its rows' tensor and coefficients (taken from ``table``, by row index)."""
+    device = table.device
     per_element = 1 if viewed else _words_per_element(dtype)
     zeros = torch.zeros((_ROW - 1) // per_element, dtype=dtype, device=device)
-    items: list[tuple[int, int] | Tensor] = []
+    chunks: list[list[_Item]] = []
+    rows_in_chunk = block_rows
     for position, first, stop in found:
-        items.append((position, first))
+        rows = -(-(stop - first) // _ROW)
+        if rows_in_chunk + rows > block_rows:
+            chunks.append([])
+            rows_in_chunk = 0
+        rows_in_chunk += rows
+        chunks[-1].append((position, first))
         padding = -(stop - first) % _ROW
         if padding:
-            items.append(zeros[: padding // per_element])
+            chunks[-1].append(zeros[: padding // per_element])
     positions = torch.tensor([position for position, _, _ in found])
     first_rows = torch.tensor([first // _ROW for _, first, _ in found])
     counts = torch.tensor([-(-(stop - first) // _ROW) for _, first, stop in found])
     owner = torch.repeat_interleave(positions, counts)
     starts = torch.cumsum(counts, 0) - counts  # each member's first row in the group
     row_of = torch.arange(int(counts.sum())) - torch.repeat_interleave(starts - first_rows, counts)
-    word = _word_dtype(dtype)
-    return _Group(tuple(items), viewed, word, owner.to(device), row_of.to(device))
+    coefficients = table.index_select(1, row_of.to(device))
+    return _Group(
+        tuple(map(tuple, chunks)), viewed, _word_dtype(dtype), owner.to(device), coefficients
+    )
 
 
 def _word_dtype(dtype: torch.dtype) -> torch.dtype:
