@@ -128,13 +128,15 @@ class Plan:
                 )
         self._dtypes = [tensor.dtype for tensor in tensors]
         self._numels = [tensor.numel() for tensor in tensors]
-        self.nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        self.nbytes = sum(n * d.itemsize for n, d in zip(self._numels, self._dtypes, strict=True))
         self._device = tensors[0].device if tensors else torch.device("cpu")
-        devices = dict.fromkeys(tensor.device for tensor in tensors)
+        on: dict[torch.device, list[int]] = {}
+        for position, tensor in enumerate(tensors):
+            if self._numels[position]:
+                on.setdefault(tensor.device, []).append(position)
         self._parts = [
-            part
-            for part in (_DevicePart.build(tensors, device) for device in devices)
-            if part is not None
+            _DevicePart.build(positions, self._dtypes, self._numels, device)
+            for device, positions in on.items()
         ]
 
     @torch.no_grad()
@@ -148,9 +150,9 @@ class Plan:
         count = len(tensors)
         if not self._parts:  # only empty tensors (or none): every lane is zero
             return torch.zeros(count, LANES, dtype=torch.int64, device=self._device)
-        total = self._parts[0].sums(tensors, count)
+        total = self._parts[0].sums(tensors, count).to(self._device)
         for part in self._parts[1:]:
-            total = total + part.sums(tensors, count).to(total.device)
+            total += part.sums(tensors, count).to(self._device)
         # D0 = sum 2 * 64 * r * (row sum) + sum (D0 row sum); Dk = sum u_k(r) (Dk row sum)
         return torch.stack([total[0] + total[1], *total[2:]], dim=1)
 
@@ -221,25 +223,30 @@ class _DevicePart:
     block_rows: int
 
     @classmethod
-    def build(cls, tensors: Sequence[Tensor], device: torch.device) -> _DevicePart | None:
+    def build(
+        cls,
+        positions: list[int],
+        dtypes: list[torch.dtype],
+        numels: list[int],
+        device: torch.device,
+    ) -> _DevicePart:
+        """The part of the tensors at ``positions`` (on ``device``, none empty), of ``dtypes`` and
+        ``numels`` (of every tensor)."""
         members: dict[tuple[torch.dtype, bool], list[tuple[int, int, int]]] = {}
         in_place: list[tuple[int, int]] = []
-        for position, tensor in enumerate(tensors):
-            if tensor.device != device or tensor.numel() == 0:
-                continue
-            length = tensor.numel() * _words_per_element(tensor.dtype)
-            word = _word_dtype(tensor.dtype)
+        for position in positions:
+            dtype = dtypes[position]
+            length = numels[position] * _words_per_element(dtype)
             if length >= _IN_PLACE_ROWS * _ROW:
                 in_place.append((position, length // _ROW))
                 if length % _ROW:  # the last partial row, copied with the small tensors
                     first = length - length % _ROW
-                    members.setdefault((word, True), []).append((position, first, length))
-            elif tensor.dtype in _COPIED_AS_THEY_ARE:
-                members.setdefault((tensor.dtype, False), []).append((position, 0, length))
+                    key = (_word_dtype(dtype), True)
+                    members.setdefault(key, []).append((position, first, length))
+            elif dtype in _COPIED_AS_THEY_ARE:
+                members.setdefault((dtype, False), []).append((position, 0, length))
             else:
-                members.setdefault((word, True), []).append((position, 0, length))
-        if not members and not in_place:
-            return None
+                members.setdefault((_word_dtype(dtype), True), []).append((position, 0, length))
         longest = max(
             [rows for _, rows in in_place]
             + [-(-stop // _ROW) for found in members.values() for _, _, stop in found]
