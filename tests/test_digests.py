@@ -5,8 +5,9 @@ Oracles: the lanes computed from their definition with Python's unbounded intege
 bytes of each tensor (built from random bytes, so the oracle never goes through the code that
 reads words); every single bit flipped in every element of a float32 and a bfloat16 tensor, each
 a different D0; every pair of unequal elements swapped, each a different D0; digests of mixed
-batches (dtypes, lengths that do and do not fill rows of 64 words, large tensors read in place)
-equal to each tensor's alone. A steady-state call is traced op by op: it builds no tensor from
+batches (dtypes, lengths that do and do not fill rows of 64 words, small tensors joined by
+their trailing shape, large tensors read in place) equal to each tensor's alone, and for those
+that take another path than the padded copy, to the lanes computed word by word in int64. A steady-state call is traced op by op: it builds no tensor from
 host data, reads nothing back, and runs as many kernels for 2000 tensors as for 20.
 """
 
@@ -196,13 +197,19 @@ def test_a_batch_gives_each_tensor_its_own_digest():
         values = torch.randn(length, generator=generator) * 100
         dtype = dtypes[index % len(dtypes)]
         tensors.append(values > 0 if dtype is torch.bool else values.to(dtype))
+    # Small ones that fill whole rows, joined by their trailing shape: contiguous or not.
+    wide = torch.randn(64, 8, generator=generator)
+    joined = [wide.t(), torch.randn(3, 64, generator=generator), wide.double()[:, :4]]
     # Large ones read in place: a whole number of rows, a partial last row, transposed.
     large = torch.randn(128, 2049, generator=generator)
-    tensors += [large, large.t(), large.to(torch.float16).t()]
+    checked = [*joined, large, large.t(), large.to(torch.float16).t()]
+    tensors += checked
     together = _digests.digests(tensors)
     for tensor, lanes in zip(tensors, together, strict=True):
         assert torch.equal(lanes, _digests.digests([tensor])[0]), (tensor.dtype, tensor.numel())
-    for tensor, lanes in zip(tensors[-5:], together[-5:], strict=True):
+    checked += tensors[len(lengths) * 2 - 2 : len(lengths) * 2]
+    for tensor in checked:
+        lanes = together[next(i for i, t in enumerate(tensors) if t is tensor)]
         assert torch.equal(lanes, _wrapping_reference(tensor)), (tensor.dtype, tensor.shape)
 
 
@@ -223,10 +230,12 @@ def test_a_plan_digests_new_values_of_its_layout_and_refuses_another():
         tensors = layout()
         assert torch.equal(plan(tensors), _digests.digests(tensors))
     tensors = layout()
-    with pytest.raises(ValueError, match=r"tensor 1 is torch\.float32 of 262149 elements"):
+    with pytest.raises(ValueError, match=r"tensor 1 is torch\.float32 of shape \(262149,\)"):
         plan([tensors[0], tensors[1].float(), *tensors[2:]])
-    with pytest.raises(ValueError, match=r"tensor 0 is torch\.float32 of 36 elements"):
+    with pytest.raises(ValueError, match=r"tensor 0 is torch\.float32 of shape \(6, 6\)"):
         plan([torch.zeros(6, 6), *tensors[1:]])
+    with pytest.raises(ValueError, match=r"\(7, 5\); the plan was built for .* shape \(5, 7\)"):
+        plan([tensors[0].t(), *tensors[1:]])
     with pytest.raises(ValueError, match="the plan digests 4 tensors, got 3"):
         plan(tensors[:3])
     assert _digests.plan([])([]).shape == (0, _digests.LANES)

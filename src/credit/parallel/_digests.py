@@ -28,18 +28,20 @@ below 64 * 2^31 * 2^16 = 2^53, so float64 computes them exactly, in whatever ord
 adds them. Row ``r`` of a tensor then adds, in int64 (whose arithmetic wraps mod 2^64 on every
 device), ``2 * 64 * r * (row sum) + (its D0 sum)`` to D0 and ``u_k(r) * (its Dk sum)`` to Dk.
 
-A :class:`Plan`, built once per layout (the tensors' dtypes, element counts and devices), holds
+A :class:`Plan`, built once per layout (the tensors' dtypes, shapes and devices), holds
 everything that does not depend on the values, on the tensors' devices: which tensors are copied
 together and where the zero padding goes, each copied row's tensor and coefficients ``(2 * 64 *
 r, 1, u_1(r), u_2(r), u_3(r))`` for its row index ``r``, and the weights. Applying it reads no
-value back to the host and builds no tensor from host data, and the kernels it runs do not grow
-with the number of tensors, only with the groups and the bytes: the small tensors of one dtype
-are copied together (one ``cat`` per block of rows, 2 MiB of float64 on a CPU, 32 MiB elsewhere),
-a tensor of at least 4096 rows is read where it lies (its last partial row copied with the small
-ones), each block is converted to float64 while it is still in cache and multiplied, and the
-rows' results are weighted and added up per tensor (one ``index_add_`` per group). A call holds
-about one block of copied words and one of float64, beside the per-row results (five float64 and
-five int64 numbers per 64 words).
+value back to the host and builds no tensor from host data, and the kernels it runs grow with the
+bytes, the dtypes and the tensors' trailing shapes, not with the number of tensors: the small
+tensors of one dtype are copied together a block of rows at a time (2 MiB of float64 on a CPU,
+32 MiB elsewhere), those of one trailing shape that fill whole rows joined along their first
+dimension (one ``cat``), the others flattened with their padding (one more); a tensor of at least
+4096 rows is read where it lies (its last partial row copied with the small ones); each block is
+converted to float64 while it is still in cache and multiplied; and the rows' results are
+weighted and added up per tensor (one ``index_add_`` per group). A call holds about one block of
+copied words and one of float64, beside the per-row results (five float64 and five int64 numbers
+per 64 words).
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ def digests(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def plan(tensors: Sequence[Tensor]) -> Plan:
-    """The plan that digests tensors of the layout of ``tensors`` (their dtypes, element counts
-    and devices, in order): built once, applied to each call's tensors of that layout.
+    """The plan that digests tensors of the layout of ``tensors`` (their dtypes, shapes and
+    devices, in order): built once, applied to each call's tensors of that layout.
 
     Raises:
         ValueError: a tensor is not a dense strided tensor.
@@ -127,15 +129,15 @@ class Plan:
                     "are not among its raw bits"
                 )
         self._dtypes = [tensor.dtype for tensor in tensors]
-        self._numels = [tensor.numel() for tensor in tensors]
-        self.nbytes = sum(n * d.itemsize for n, d in zip(self._numels, self._dtypes, strict=True))
+        self._shapes = [tensor.shape for tensor in tensors]
+        self.nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
         self._device = tensors[0].device if tensors else torch.device("cpu")
         on: dict[torch.device, list[int]] = {}
         for position, tensor in enumerate(tensors):
-            if self._numels[position]:
+            if tensor.numel():
                 on.setdefault(tensor.device, []).append(position)
         self._parts = [
-            _DevicePart.build(positions, self._dtypes, self._numels, device)
+            _DevicePart.build(positions, self._dtypes, self._shapes, device)
             for device, positions in on.items()
         ]
 
@@ -158,8 +160,8 @@ class Plan:
 
     def _check(self, tensors: Sequence[Tensor]) -> None:
         dtypes = [tensor.dtype for tensor in tensors]
-        numels = [tensor.numel() for tensor in tensors]
-        if dtypes == self._dtypes and numels == self._numels:
+        shapes = [tensor.shape for tensor in tensors]
+        if dtypes == self._dtypes and shapes == self._shapes:
             return
         if len(tensors) != len(self._dtypes):
             raise ValueError(
@@ -168,17 +170,31 @@ class Plan:
             )
         position = next(
             i
-            for i, (dtype, numel) in enumerate(zip(dtypes, numels, strict=True))
-            if (dtype, numel) != (self._dtypes[i], self._numels[i])
+            for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True))
+            if (dtype, shape) != (self._dtypes[i], self._shapes[i])
         )
         raise ValueError(
-            f"tensor {position} is {dtypes[position]} of {numels[position]} elements; the plan "
-            f"was built for {self._dtypes[position]} of {self._numels[position]}: build a plan "
-            "for this layout"
+            f"tensor {position} is {dtypes[position]} of shape {tuple(shapes[position])}; the "
+            f"plan was built for {self._dtypes[position]} of shape "
+            f"{tuple(self._shapes[position])}: build a plan for this layout"
         )
 
 
+_Member = tuple[int, int, int]  # position, first word, the word after the last
 _Item = tuple[int, int] | Tensor  # a member, (position, first word), or a zero tensor: padding
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """At most one block of rows of a group, copied together.
+
+    ``joined``: its members are tensors of one trailing shape whose words fill whole rows, joined
+    by one ``cat`` along their first dimension (no view per tensor). Otherwise each member is
+    followed by its padding, and they are flattened together.
+    """
+
+    joined: bool
+    items: tuple[_Item, ...]
 
 
 @dataclass(frozen=True)
@@ -187,27 +203,31 @@ class _Group:
     padded with zeros to whole rows, a chunk of at most one block of rows at a time (so that the
     copy is still in cache when it is converted and multiplied).
 
-    Each chunk lists its members, each followed by its padding. A member is copied as it is
-    (``viewed`` False; its first word is 0), or its words from the first on (``viewed`` True).
-    ``owner`` gives each row's tensor, ``coefficients`` what the row's five sums are multiplied
-    by (those of its row index in that tensor).
+    A member is copied as it is (``viewed`` False; its first word is 0), or its words from the
+    first on (``viewed`` True). ``owner`` gives each row's tensor, ``coefficients`` what the
+    row's five sums are multiplied by (those of its row index in that tensor).
     """
 
-    chunks: tuple[tuple[_Item, ...], ...]
+    chunks: tuple[_Chunk, ...]
     viewed: bool
     word: torch.dtype
     owner: Tensor  # (rows,) int64
     coefficients: Tensor  # (5, rows) int64
 
-    def rows(self, tensors: Sequence[Tensor], chunk: tuple[_Item, ...]) -> Tensor:
+    def rows(self, tensors: Sequence[Tensor], chunk: _Chunk) -> Tensor:
         """The rows of words of one chunk."""
+        if chunk.joined:
+            joined = torch.cat(
+                [tensors[item[0]] for item in chunk.items if isinstance(item, tuple)]
+            )
+            return joined.view(self.word).view(-1, _ROW)
         if self.viewed:
             parts = [
                 _words(tensors[item[0]])[item[1] :] if isinstance(item, tuple) else item
-                for item in chunk
+                for item in chunk.items
             ]
         else:
-            parts = [tensors[item[0]] if isinstance(item, tuple) else item for item in chunk]
+            parts = [tensors[item[0]] if isinstance(item, tuple) else item for item in chunk.items]
         return _flatten_dense_tensors(parts).view(self.word).view(-1, _ROW)
 
 
@@ -227,16 +247,16 @@ class _DevicePart:
         cls,
         positions: list[int],
         dtypes: list[torch.dtype],
-        numels: list[int],
+        shapes: list[torch.Size],
         device: torch.device,
     ) -> _DevicePart:
         """The part of the tensors at ``positions`` (on ``device``, none empty), of ``dtypes`` and
-        ``numels`` (of every tensor)."""
-        members: dict[tuple[torch.dtype, bool], list[tuple[int, int, int]]] = {}
+        ``shapes`` (of every tensor)."""
+        members: dict[tuple[torch.dtype, bool], list[_Member]] = {}
         in_place: list[tuple[int, int]] = []
         for position in positions:
             dtype = dtypes[position]
-            length = numels[position] * _words_per_element(dtype)
+            length = shapes[position].numel() * _words_per_element(dtype)
             if length >= _IN_PLACE_ROWS * _ROW:
                 in_place.append((position, length // _ROW))
                 if length % _ROW:  # the last partial row, copied with the small tensors
@@ -261,7 +281,7 @@ class _DevicePart:
         )
         block_rows = min(most, _CPU_BLOCK_ROWS if device.type == "cpu" else _DEVICE_BLOCK_ROWS)
         groups = [
-            _group(found, dtype, viewed, table, block_rows)
+            _group(found, dtype, viewed, shapes, table, block_rows)
             for (dtype, viewed), found in members.items()
         ]
         return cls(
@@ -306,40 +326,63 @@ class _DevicePart:
 
 
 def _group(
-    found: list[tuple[int, int, int]],
+    found: list[_Member],
     dtype: torch.dtype,
     viewed: bool,
+    shapes: list[torch.Size],
     table: Tensor,
     block_rows: int,
 ) -> _Group:
-    """The group of ``found`` (position, first word, word after the last), copied as ``dtype``
-    (its words when ``viewed``) in chunks of at most ``block_rows`` rows, with each member's
-    padding, and its rows' tensor and coefficients (taken from ``table``, by row index)."""
+    """The group of ``found``, copied as ``dtype`` (its words when ``viewed``) in chunks of at
+    most ``block_rows`` rows: tensors of one trailing shape that fill whole rows joined, the
+    others each with its padding; with its rows' tensor and coefficients (taken from ``table``,
+    by row index)."""
     device = table.device
     per_element = 1 if viewed else _words_per_element(dtype)
     zeros = torch.zeros((_ROW - 1) // per_element, dtype=dtype, device=device)
-    chunks: list[list[_Item]] = []
-    rows_in_chunk = block_rows
-    for position, first, stop in found:
-        rows = -(-(stop - first) // _ROW)
-        if rows_in_chunk + rows > block_rows:
-            chunks.append([])
-            rows_in_chunk = 0
-        rows_in_chunk += rows
-        chunks[-1].append((position, first))
-        padding = -(stop - first) % _ROW
-        if padding:
-            chunks[-1].append(zeros[: padding // per_element])
-    positions = torch.tensor([position for position, _, _ in found])
-    first_rows = torch.tensor([first // _ROW for _, first, _ in found])
-    counts = torch.tensor([-(-(stop - first) // _ROW) for _, first, stop in found])
+    joinable: dict[tuple[int, ...], list[_Member]] = {}
+    padded: list[_Member] = []
+    for member in found:
+        position, first, stop = member
+        shape = shapes[position]
+        if not viewed and shape and (stop - first) % _ROW == 0:
+            joinable.setdefault(tuple(shape[1:]), []).append(member)
+        else:
+            padded.append(member)
+    chunks: list[_Chunk] = []
+    ordered: list[_Member] = []  # the members in the order their rows are laid
+    for joined, members in [*((True, m) for m in joinable.values()), (False, padded)]:
+        for chunk in _chunked(members, block_rows):
+            items: list[_Item] = []
+            for position, first, stop in chunk:
+                items.append((position, first))
+                padding = -(stop - first) % _ROW
+                if padding:
+                    items.append(zeros[: padding // per_element])
+            chunks.append(_Chunk(joined, tuple(items)))
+            ordered += chunk
+    positions = torch.tensor([position for position, _, _ in ordered])
+    first_rows = torch.tensor([first // _ROW for _, first, _ in ordered])
+    counts = torch.tensor([-(-(stop - first) // _ROW) for _, first, stop in ordered])
     owner = torch.repeat_interleave(positions, counts)
     starts = torch.cumsum(counts, 0) - counts  # each member's first row in the group
     row_of = torch.arange(int(counts.sum())) - torch.repeat_interleave(starts - first_rows, counts)
     coefficients = table.index_select(1, row_of.to(device))
-    return _Group(
-        tuple(map(tuple, chunks)), viewed, _word_dtype(dtype), owner.to(device), coefficients
-    )
+    return _Group(tuple(chunks), viewed, _word_dtype(dtype), owner.to(device), coefficients)
+
+
+def _chunked(members: list[_Member], block_rows: int) -> list[list[_Member]]:
+    """``members`` in order, cut into runs of at most ``block_rows`` rows (a member whole)."""
+    chunks: list[list[_Member]] = []
+    rows_in_chunk = block_rows
+    for member in members:
+        rows = -(-(member[2] - member[1]) // _ROW)
+        if rows_in_chunk + rows > block_rows:
+            chunks.append([])
+            rows_in_chunk = 0
+        rows_in_chunk += rows
+        chunks[-1].append(member)
+    return chunks
 
 
 def _word_dtype(dtype: torch.dtype) -> torch.dtype:
