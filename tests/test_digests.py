@@ -218,13 +218,16 @@ def test_a_plan_digests_new_values_of_its_layout_and_refuses_another():
 
     def layout() -> list[Tensor]:
         return [
-            torch.randn(5, 7, generator=generator),
+            torch.nn.Parameter(torch.randn(5, 7, generator=generator)),
             torch.randn(64 * 4096 + 5, generator=generator).half(),
             torch.randn(3, generator=generator, dtype=torch.complex64),
             torch.randn(20, generator=generator).to(torch.float8_e4m3fn),
         ]
 
     plan = _digests.plan(layout())
+    lanes = plan(layout())
+    assert not lanes.is_inference() and not lanes.requires_grad
+    lanes += 1  # the caller's to modify
     assert plan.nbytes == 35 * 4 + (64 * 4096 + 5) * 2 + 3 * 8 + 20
     for _ in range(2):
         tensors = layout()

@@ -141,13 +141,17 @@ class Plan:
             for device, positions in on.items()
         ]
 
-    @torch.no_grad()
     def __call__(self, tensors: Sequence[Tensor]) -> Tensor:
         """The digests of ``tensors``, which must have the plan's layout.
 
         Raises:
             ValueError: ``tensors`` do not have the layout the plan was built for.
         """
+        with torch.inference_mode():  # no autograd bookkeeping on its many views and copies
+            lanes = self._lanes(tensors)
+        return lanes.clone()  # a normal tensor, which the caller may update in place
+
+    def _lanes(self, tensors: Sequence[Tensor]) -> Tensor:
         self._check(tensors)
         count = len(tensors)
         if not self._parts:  # only empty tensors (or none): every lane is zero
