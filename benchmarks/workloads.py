@@ -363,6 +363,44 @@ def _amp_step(
     return step
 
 
+# The replica check on a GPU, estimated on paper (nothing here runs on one). Ours moves about 8.5
+# bytes through device memory per byte digested (per 32-bit word: the copy of the small tensors
+# together, 4 + 4; the conversion to float64, 4 + 8; the product, 8; the rows' five sums
+# converted, weighted and added, about 5), 6 for tensors of 1 MiB or more (read in place, not
+# copied). SHA-1 copies every tensor to the host, one blocking copy each, and hashes it on one
+# core.
+HBM_TB_S = (3.35, 4.8)  # H100 SXM, H200
+PCIE_GB_S = (25.0, 50.0)  # device to host over PCIe Gen5 x16, pageable to pinned memory
+NVLINK_C2C_GB_S = 450.0  # device to host on a Grace Hopper node
+SHA1_GB_S = (1.0, 2.0)  # per core
+BILLION_WITH_ADAMW = 12e9  # bytes: 1 B fp32 parameters, exp_avg and exp_avg_sq
+
+
+def _span(nbytes: float, rates: tuple[float, ...]) -> str:
+    """The time ``nbytes`` take at each of ``rates`` (bytes per second), fastest first, in one
+    unit, to two significant figures."""
+    times = sorted(nbytes / rate for rate in rates)
+    unit, scale = next(
+        ((u, s) for u, s in (("s", 1.0), ("ms", 1e-3)) if times[-1] >= s), ("us", 1e-6)
+    )
+    return "-".join(f"{float(f'{t / scale:.2g}'):g}" for t in times) + f" {unit}"
+
+
+def _on_a_gpu(nbytes: float, bytes_moved: float) -> str:
+    """Ours against SHA-1 for ``nbytes`` of tensors, on paper."""
+    hbm = tuple(tb * 1e12 for tb in HBM_TB_S)
+    pcie = tuple(gb * 1e9 for gb in PCIE_GB_S)
+    sha1 = tuple(gb * 1e9 for gb in SHA1_GB_S)
+    return (
+        f"ours {_span(nbytes * bytes_moved, hbm)} of device-memory traffic "
+        f"({bytes_moved} bytes per byte at {HBM_TB_S[0]}-{HBM_TB_S[1]} TB/s); SHA-1 "
+        f"{_span(nbytes, pcie)} of copies at {PCIE_GB_S[0]:.0f}-{PCIE_GB_S[1]:.0f} GB/s over "
+        f"PCIe ({_span(nbytes, (NVLINK_C2C_GB_S * 1e9,))} over NVLink-C2C) and "
+        f"{_span(nbytes, sha1)} of hashing at {SHA1_GB_S[0]:.0f}-{SHA1_GB_S[1]:.0f} GB/s on one "
+        "core"
+    )
+
+
 def replicas(ctx: Context) -> Workload:
     """The layouts' model as plain replicas on every rank (DDP's layout), one AdamW step taken:
     its parameters and their state, every tensor a copy on every rank."""
@@ -378,12 +416,12 @@ def replicas(ctx: Context) -> Workload:
         "sha1": lambda: baselines.sha1_all_gather(tensors),
         "all_gather": lambda: baselines.all_gather_compare(tensors),
     }
-    megabytes = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
     report = verify_replicas(built.model, optimizer)
     return Workload(
         f"replica check: {len(params)} trained parameters and their AdamW state, "
         f"{len(tensors)} tensors, "
-        f"{megabytes:.1f} MiB, copies on every rank (DDP's layout, {ctx.world} ranks)",
+        f"{nbytes / 2**20:.1f} MiB, copies on every rank (DDP's layout, {ctx.world} ranks)",
         _grads(params),
         steps=steps,
         rows=[
@@ -394,9 +432,18 @@ def replicas(ctx: Context) -> Workload:
             "SHA-1: each tensor copied to the host as float32 (a no-op for float32 CPU tensors) "
             "and hashed, the 20-byte digests all_gathered and compared with rank 0's (Megatron's "
             "scheme, over every tensor); all_gather: every copy's bytes gathered and compared",
-            "ours: four 64-bit lanes per tensor from float64 products on the device, one "
-            "all_reduce of six int64 numbers; it also covers sharded and TP layouts, buffers, "
-            "and repairs",
+            "ours: four 64-bit lanes per tensor, one all_reduce of six int64 numbers; a plan per "
+            "layout (built on its first call) keeps the padding, row coefficient and weight "
+            "tensors on the device; each later call copies the small tensors of a dtype together "
+            "a block of rows at a time, converts each block to float64 while it is in cache for "
+            "the exact product, and adds up the weighted rows (one index_add_), with no host read "
+            "but the verdict; it also covers sharded and TP layouts, buffers, and repairs",
+            f"on a GPU, estimated on paper (not measured), for these {len(tensors)} tensors: "
+            f"{_on_a_gpu(nbytes, 8.5)}; ours then launches a few tens of kernels and runs its "
+            f"Python, SHA-1 also waits on {len(tensors)} blocking copies",
+            "on a GPU, estimated on paper (not measured), for 1 B fp32 parameters with their "
+            f"AdamW state (12 GB, large tensors read in place): "
+            f"{_on_a_gpu(BILLION_WITH_ADAMW, 6.0)}",
         ],
     )
 

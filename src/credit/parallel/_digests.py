@@ -1,8 +1,8 @@
 """Bit-exact digests of tensors: four 64-bit numbers of their raw bits, computed where they live.
 
 A tensor is read as a sequence of signed integer words ``x_0 .. x_{n-1}``: its raw bits 8, 16 or 32
-at a time (one word per element up to 4-byte elements, two or four per larger element). Its
-digest is four lanes, all mod 2^64::
+at a time (one word per element up to 4-byte elements, two or four per larger element; complex32,
+a 4-byte element, is one word). Its digest is four lanes, all mod 2^64::
 
     D0 = sum_j (2j + 1) x_j
     Dk = sum_j u_k(j // 64) a_k(j % 64) x_j        k = 1, 2, 3
@@ -21,140 +21,411 @@ the same in every process. Copies with the same bits have the same digest; copie
   words, with alternating directions; two 8-byte elements swapped whose halves differ by opposite
   amounts), which the other lanes then catch with that probability.
 
-The lanes come from float64 matrix products per (device, word width): the words, 64 to a row
-(each tensor padded with zeros to whole rows), times a 64 x 5 matrix of small integer weights
-(a row sum, the D0 weights ``2c + 1``, the three ``a_k``). Every product and partial sum is an
-integer below 2^53 (64 words of at most 2^31 times weights below 2^16), so float64 computes them
-exactly, in whatever order BLAS or cuBLAS adds them. The per-row results are combined in int64,
-whose arithmetic wraps mod 2^64 on every device. A large tensor is read twice, where it lies:
-converted to float64 a block of 2 MiB at a time, and multiplied; the small ones are first copied
-together.
+How they are computed. The words are laid 64 to a row (each tensor padded with zeros to whole
+rows) and multiplied, as float64, by a 64 x 5 matrix of small integer weights (a row sum, the D0
+weights ``2c + 1``, the three ``a_k``). Every product and partial sum is an integer of magnitude
+below 64 * 2^31 * 2^16 = 2^53, so float64 computes them exactly, in whatever order BLAS or cuBLAS
+adds them. Row ``r`` of a tensor then adds, in int64 (whose arithmetic wraps mod 2^64 on every
+device), ``2 * 64 * r * (row sum) + (its D0 sum)`` to D0 and ``u_k(r) * (its Dk sum)`` to Dk.
+
+A :class:`Plan`, built once per layout (the tensors' dtypes, shapes and devices), holds
+everything that does not depend on the values, on the tensors' devices: which tensors are copied
+together and where the zero padding goes, each copied row's tensor and coefficients ``(2 * 64 *
+r, 1, u_1(r), u_2(r), u_3(r))`` for its row index ``r``, and the weights. Applying it reads no
+value back to the host and builds no tensor from host data, and the kernels it runs grow with the
+bytes, the dtypes and the tensors' trailing shapes, not with the number of tensors: the small
+tensors of one dtype are copied together a block of rows at a time (2 MiB of float64 on a CPU,
+32 MiB elsewhere), those of one trailing shape that fill whole rows joined along their first
+dimension (one ``cat``), the others flattened with their padding (one more); a tensor of at least
+4096 rows is read where it lies (its last partial row copied with the small ones); each block is
+converted to float64 while it is still in cache and multiplied; and the rows' results are
+weighted and added up per tensor (one ``index_add_`` per group). A call holds about one block of
+copied words and one of float64, beside the per-row results (five float64 and five int64 numbers
+per 64 words).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors
 
+__all__ = ["LANES", "Plan", "digests", "odd_weight", "plan"]
+
 LANES = 4
 _ROW = 64  # words per row
 _RANDOM_LANES = LANES - 1
+_COLUMNS = 2 + _RANDOM_LANES  # per row: the row sum, the D0 sum, the three Dk sums
 _WEIGHT_BOUND = 2**16
-_ROWS_PER_BLOCK = 1 << 12  # rows converted to float64 at a time (2 MiB)
-_WORD_TYPES = {1: torch.int8, 2: torch.int16}  # wider elements are read as 32-bit words
+# A tensor of at least this many rows (1 MiB of 32-bit words) is read where it lies, not copied.
+_IN_PLACE_ROWS = 1 << 12
+# Rows converted to float64 at a time: 2 MiB on a CPU (the block stays in cache for the product),
+# 32 MiB elsewhere (fewer launches; a GPU streams it at full bandwidth).
+_CPU_BLOCK_ROWS = 1 << 12
+_DEVICE_BLOCK_ROWS = 1 << 16
+_INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Dtypes whose tensors are copied together as they are: torch copies them bit for bit under any
+# strides, on every device. The others are first viewed as their words, one view per tensor:
+# complex32, float8, unsigned, sub-byte and bit types (some have no copy kernel), and bool (a copy
+# writes any nonzero byte as 1, which would hide a flipped bit).
+_COPIED_AS_THEY_ARE = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex128,
+        torch.complex64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+    }
+)
 
 
-def digests(tensors: list[Tensor]) -> Tensor:
+def digests(tensors: Sequence[Tensor]) -> Tensor:
     """The digest of each tensor: int64, shape ``(len(tensors), LANES)``, on the first tensor's
-    device (on the CPU when there is none)."""
-    device = tensors[0].device if tensors else torch.device("cpu")
-    result = torch.zeros(len(tensors), LANES, dtype=torch.int64, device=device)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
-    for (where, _), indices in groups.items():
-        lanes = _lanes([tensors[i] for i in indices], where)
-        result[indices] = lanes.to(device)
-    return result
+    device (on the CPU when there is none). Builds a :class:`Plan` and applies it; a caller that
+    digests the same layout again keeps the plan instead."""
+    return plan(tensors)(tensors)
+
+
+def plan(tensors: Sequence[Tensor]) -> Plan:
+    """The plan that digests tensors of the layout of ``tensors`` (their dtypes, shapes and
+    devices, in order): built once, applied to each call's tensors of that layout.
+
+    Raises:
+        ValueError: a tensor is not a dense strided tensor.
+        TypeError: a tensor is quantized (its values are not its raw bits alone).
+    """
+    return Plan(tensors)
+
+
+class Plan:
+    """Digests of tensors of one layout, with every constant it needs on the tensors' devices.
+
+    Calling it with tensors of that layout returns their digests, int64 of shape
+    ``(len(tensors), LANES)`` on the first tensor's device, with no host sync: no value read back,
+    no tensor built from host data. Tensors on another device than the first have their lanes
+    moved to it (one copy per such device).
+
+    Attributes:
+        nbytes: the bytes of the tensors it digests.
+    """
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        for position, tensor in enumerate(tensors):
+            if tensor.layout != torch.strided:
+                raise ValueError(f"tensor {position} is of layout {tensor.layout}: dense only")
+            if tensor.is_quantized:
+                raise TypeError(
+                    f"tensor {position} is quantized ({tensor.dtype}): its scale and zero point "
+                    "are not among its raw bits"
+                )
+        self._dtypes = [tensor.dtype for tensor in tensors]
+        self._shapes = [tensor.shape for tensor in tensors]
+        self.nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        self._device = tensors[0].device if tensors else torch.device("cpu")
+        on: dict[torch.device, list[int]] = {}
+        for position, tensor in enumerate(tensors):
+            if tensor.numel():
+                on.setdefault(tensor.device, []).append(position)
+        self._parts = [
+            _DevicePart.build(positions, self._dtypes, self._shapes, device)
+            for device, positions in on.items()
+        ]
+
+    def __call__(self, tensors: Sequence[Tensor]) -> Tensor:
+        """The digests of ``tensors``, which must have the plan's layout.
+
+        Raises:
+            ValueError: ``tensors`` do not have the layout the plan was built for.
+        """
+        with torch.inference_mode():  # no autograd bookkeeping on its many views and copies
+            lanes = self._lanes(tensors)
+        return lanes.clone()  # a normal tensor, which the caller may update in place
+
+    def _lanes(self, tensors: Sequence[Tensor]) -> Tensor:
+        self._check(tensors)
+        count = len(tensors)
+        if not self._parts:  # only empty tensors (or none): every lane is zero
+            return torch.zeros(count, LANES, dtype=torch.int64, device=self._device)
+        total = self._parts[0].sums(tensors, count).to(self._device)
+        for part in self._parts[1:]:
+            total += part.sums(tensors, count).to(self._device)
+        # D0 = sum 2 * 64 * r * (row sum) + sum (D0 row sum); Dk = sum u_k(r) (Dk row sum)
+        return torch.stack([total[0] + total[1], *total[2:]], dim=1)
+
+    def _check(self, tensors: Sequence[Tensor]) -> None:
+        dtypes = [tensor.dtype for tensor in tensors]
+        shapes = [tensor.shape for tensor in tensors]
+        if dtypes == self._dtypes and shapes == self._shapes:
+            return
+        if len(tensors) != len(self._dtypes):
+            raise ValueError(
+                f"the plan digests {len(self._dtypes)} tensors, got {len(tensors)}: "
+                "build a plan for this layout"
+            )
+        position = next(
+            i
+            for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True))
+            if (dtype, shape) != (self._dtypes[i], self._shapes[i])
+        )
+        raise ValueError(
+            f"tensor {position} is {dtypes[position]} of shape {tuple(shapes[position])}; the "
+            f"plan was built for {self._dtypes[position]} of shape "
+            f"{tuple(self._shapes[position])}: build a plan for this layout"
+        )
+
+
+_Member = tuple[int, int, int]  # position, first word, the word after the last
+_Item = tuple[int, int] | Tensor  # a member, (position, first word), or a zero tensor: padding
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """At most one block of rows of a group, copied together.
+
+    ``joined``: its members are tensors of one trailing shape whose words fill whole rows, joined
+    by one ``cat`` along their first dimension (no view per tensor). Otherwise each member is
+    followed by its padding, and they are flattened together.
+    """
+
+    joined: bool
+    items: tuple[_Item, ...]
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Tensors (or the last partial rows of large ones) copied together into rows of words, each
+    padded with zeros to whole rows, a chunk of at most one block of rows at a time (so that the
+    copy is still in cache when it is converted and multiplied).
+
+    A member is copied as it is (``viewed`` False; its first word is 0), or its words from the
+    first on (``viewed`` True). ``owner`` gives each row's tensor, ``coefficients`` what the
+    row's five sums are multiplied by (those of its row index in that tensor).
+    """
+
+    chunks: tuple[_Chunk, ...]
+    viewed: bool
+    word: torch.dtype
+    owner: Tensor  # (rows,) int64
+    coefficients: Tensor  # (5, rows) int64
+
+    def rows(self, tensors: Sequence[Tensor], chunk: _Chunk) -> Tensor:
+        """The rows of words of one chunk."""
+        if chunk.joined:
+            joined = torch.cat(
+                [tensors[item[0]] for item in chunk.items if isinstance(item, tuple)]
+            )
+            return joined.view(self.word).view(-1, _ROW)
+        if self.viewed:
+            parts = [
+                _words(tensors[item[0]])[item[1] :] if isinstance(item, tuple) else item
+                for item in chunk.items
+            ]
+        else:
+            parts = [tensors[item[0]] if isinstance(item, tuple) else item for item in chunk.items]
+        return _flatten_dense_tensors(parts).view(self.word).view(-1, _ROW)
+
+
+@dataclass(frozen=True)
+class _DevicePart:
+    """What the tensors on one device need: their groups, the tensors read where they lie
+    (position, whole rows) and the coefficients of their rows, and the weights."""
+
+    groups: list[_Group]
+    in_place: list[tuple[int, int]]
+    coefficients: Tensor  # (5, rows) int64 for row indices up to the longest read in place
+    weights: Tensor  # (5, 64) float64
+    block_rows: int
+
+    @classmethod
+    def build(
+        cls,
+        positions: list[int],
+        dtypes: list[torch.dtype],
+        shapes: list[torch.Size],
+        device: torch.device,
+    ) -> _DevicePart:
+        """The part of the tensors at ``positions`` (on ``device``, none empty), of ``dtypes`` and
+        ``shapes`` (of every tensor)."""
+        members: dict[tuple[torch.dtype, bool], list[_Member]] = {}
+        in_place: list[tuple[int, int]] = []
+        for position in positions:
+            dtype = dtypes[position]
+            length = shapes[position].numel() * _words_per_element(dtype)
+            if length >= _IN_PLACE_ROWS * _ROW:
+                in_place.append((position, length // _ROW))
+                if length % _ROW:  # the last partial row, copied with the small tensors
+                    first = length - length % _ROW
+                    key = (_word_dtype(dtype), True)
+                    members.setdefault(key, []).append((position, first, length))
+            elif dtype in _COPIED_AS_THEY_ARE:
+                members.setdefault((dtype, False), []).append((position, 0, length))
+            else:
+                members.setdefault((_word_dtype(dtype), True), []).append((position, 0, length))
+        longest = max(
+            [rows for _, rows in in_place]
+            + [-(-stop // _ROW) for found in members.values() for _, _, stop in found]
+        )
+        table = _coefficients(longest, device)
+        most = max(  # rows a block ever holds: a tensor read in place, or a whole group
+            [rows for _, rows in in_place]
+            + [
+                sum(-(-(stop - first) // _ROW) for _, first, stop in found)
+                for found in members.values()
+            ]
+        )
+        block_rows = min(most, _CPU_BLOCK_ROWS if device.type == "cpu" else _DEVICE_BLOCK_ROWS)
+        groups = [
+            _group(found, dtype, viewed, shapes, table, block_rows)
+            for (dtype, viewed), found in members.items()
+        ]
+        return cls(
+            groups=groups,
+            in_place=in_place,
+            coefficients=table[:, : max((rows for _, rows in in_place), default=0)].clone(),
+            weights=_weights(device),
+            block_rows=block_rows,
+        )
+
+    def sums(self, tensors: Sequence[Tensor], count: int) -> Tensor:
+        """Per tensor, its rows' five sums times their coefficients, added up: int64 ``(5,
+        count)`` (zero for the tensors on other devices)."""
+        device = self.weights.device
+        total = torch.zeros(_COLUMNS, count, dtype=torch.int64, device=device)
+        block = torch.empty(self.block_rows, _ROW, dtype=torch.float64, device=device)
+        for group in self.groups:
+            sums = torch.empty(group.coefficients.shape, dtype=torch.float64, device=device)
+            start = 0
+            for chunk in group.chunks:
+                rows = group.rows(tensors, chunk)
+                self._multiply(rows, block, sums[:, start : start + rows.shape[0]])
+                start += rows.shape[0]
+            products = sums.to(torch.int64).mul_(group.coefficients)
+            total.index_add_(1, group.owner, products)
+        for position, rows_in_place in self.in_place:
+            words = _words(tensors[position])[: rows_in_place * _ROW].view(-1, _ROW)
+            sums = torch.empty(_COLUMNS, rows_in_place, dtype=torch.float64, device=device)
+            for start in range(0, rows_in_place, self.block_rows):
+                stop = start + self.block_rows
+                self._multiply(words[start:stop], block, sums[:, start:stop])
+            products = sums.to(torch.int64).mul_(self.coefficients[:, :rows_in_place])
+            total[:, position].add_(products.sum(1))
+        return total
+
+    def _multiply(self, rows: Tensor, block: Tensor, out: Tensor) -> None:
+        """``out`` = the weights times ``rows`` (integer words, at most a block), exactly:
+        converted to float64 in ``block``, then 5 x 64 by 64 x rows (the faster product on
+        MKL)."""
+        converted = block[: rows.shape[0]].copy_(rows)
+        torch.mm(self.weights, converted.t(), out=out)
+
+
+def _group(
+    found: list[_Member],
+    dtype: torch.dtype,
+    viewed: bool,
+    shapes: list[torch.Size],
+    table: Tensor,
+    block_rows: int,
+) -> _Group:
+    """The group of ``found``, copied as ``dtype`` (its words when ``viewed``) in chunks of at
+    most ``block_rows`` rows: tensors of one trailing shape that fill whole rows joined, the
+    others each with its padding; with its rows' tensor and coefficients (taken from ``table``,
+    by row index)."""
+    device = table.device
+    per_element = 1 if viewed else _words_per_element(dtype)
+    zeros = torch.zeros((_ROW - 1) // per_element, dtype=dtype, device=device)
+    joinable: dict[tuple[int, ...], list[_Member]] = {}
+    padded: list[_Member] = []
+    for member in found:
+        position, first, stop = member
+        shape = shapes[position]
+        if not viewed and shape and (stop - first) % _ROW == 0:
+            joinable.setdefault(tuple(shape[1:]), []).append(member)
+        else:
+            padded.append(member)
+    chunks: list[_Chunk] = []
+    ordered: list[_Member] = []  # the members in the order their rows are laid
+    for joined, members in [*((True, m) for m in joinable.values()), (False, padded)]:
+        for chunk in _chunked(members, block_rows):
+            items: list[_Item] = []
+            for position, first, stop in chunk:
+                items.append((position, first))
+                padding = -(stop - first) % _ROW
+                if padding:
+                    items.append(zeros[: padding // per_element])
+            chunks.append(_Chunk(joined, tuple(items)))
+            ordered += chunk
+    positions = torch.tensor([position for position, _, _ in ordered])
+    first_rows = torch.tensor([first // _ROW for _, first, _ in ordered])
+    counts = torch.tensor([-(-(stop - first) // _ROW) for _, first, stop in ordered])
+    owner = torch.repeat_interleave(positions, counts)
+    starts = torch.cumsum(counts, 0) - counts  # each member's first row in the group
+    row_of = torch.arange(int(counts.sum())) - torch.repeat_interleave(starts - first_rows, counts)
+    coefficients = table.index_select(1, row_of.to(device))
+    return _Group(tuple(chunks), viewed, _word_dtype(dtype), owner.to(device), coefficients)
+
+
+def _chunked(members: list[_Member], block_rows: int) -> list[list[_Member]]:
+    """``members`` in order, cut into runs of at most ``block_rows`` rows (a member whole)."""
+    chunks: list[list[_Member]] = []
+    rows_in_chunk = block_rows
+    for member in members:
+        rows = -(-(member[2] - member[1]) // _ROW)
+        if rows_in_chunk + rows > block_rows:
+            chunks.append([])
+            rows_in_chunk = 0
+        rows_in_chunk += rows
+        chunks[-1].append(member)
+    return chunks
+
+
+def _word_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The signed integer type of the words of a ``dtype`` tensor (see :func:`_words`)."""
+    return _INTEGERS[min(dtype.itemsize, 4)]
+
+
+def _words_per_element(dtype: torch.dtype) -> int:
+    """How many words :func:`_words` reads from each element of a ``dtype`` tensor."""
+    return dtype.itemsize // _word_dtype(dtype).itemsize
 
 
 def _words(tensor: Tensor) -> Tensor:
-    """The raw bits of ``tensor`` as a flat tensor of signed 8-, 16- or 32-bit words."""
-    flat = tensor.reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    return flat.view(_WORD_TYPES.get(flat.element_size(), torch.int32))
+    """The raw bits of ``tensor`` as a flat tensor of signed 8-, 16- or 32-bit words: its elements
+    in row-major order, the bytes of each as the device stores them, a word at a time.
+
+    Viewed first as the integer type of the element's size (a view under any strides, for every
+    dtype), so that the copy a non-contiguous tensor needs is an integer copy.
+    """
+    size = tensor.element_size()
+    same_size = tensor.view(_INTEGERS[size]) if size in _INTEGERS else tensor
+    return same_size.reshape(-1).view(_word_dtype(tensor.dtype))
 
 
-def _lanes(tensors: list[Tensor], device: torch.device) -> Tensor:
-    """The lanes of each tensor (all on ``device``, of one dtype)."""
-    words_per_element = max(1, tensors[0].dtype.itemsize // 4)  # see _words
-    lengths = [tensor.numel() * words_per_element for tensor in tensors]
-    rows_of = [-(-length // _ROW) for length in lengths]
-    # Three kinds, each read in as few operations as it allows: a large tensor of whole rows
-    # where it lies; the other tensors of whole rows in one flat copy; the rest in one flat copy
-    # spread over rows padded with zeros.
-    kinds = [
-        0 if length % _ROW else (1 if length < _ROWS_PER_BLOCK * _ROW else 2) for length in lengths
-    ]
-    parts: dict[int, Tensor] = {}
-    for kind in sorted(set(kinds)):
-        members = [tensors[i] for i, k in enumerate(kinds) if k == kind]
-        if kind == 2:
-            parts[2] = torch.cat([_row_sums(_words(t).view(-1, _ROW)) for t in members])
-            continue
-        flat = _words(_flatten_dense_tensors(members) if len(members) > 1 else members[0])
-        if kind == 0:
-            member_lengths = [n for n, k in zip(lengths, kinds, strict=True) if k == 0]
-            flat = _padded(flat, member_lengths, device)
-        parts[kind] = _row_sums(flat.view(-1, _ROW))
-    if len(parts) == 1:
-        (sums,) = parts.values()
-    else:  # the parts' rows back in the tensors' order (a permutation: no host sync)
-        row_kinds = _repeat(torch.tensor(kinds, device=device), rows_of, device)
-        order = torch.argsort(row_kinds, stable=True)
-        sums = torch.empty(sum(rows_of), 2 + _RANDOM_LANES, dtype=torch.float64, device=device)
-        sums[order] = torch.cat([parts[kind] for kind in sorted(parts)])
-    return _combine(sums.to(torch.int64), rows_of, device)
-
-
-def _repeat(values: Tensor, counts: list[int], device: torch.device) -> Tensor:
-    """Each of ``values`` ``counts`` times, with the size known on the host (no sync)."""
-    return torch.repeat_interleave(
-        values, torch.tensor(counts, device=device), output_size=sum(counts)
-    )
-
-
-def _padded(flat: Tensor, lengths: list[int], device: torch.device) -> Tensor:
-    """``flat`` (word sequences of ``lengths``, one after the other) with each sequence padded
-    with zeros to whole rows: one index operation."""
-    padding = [-length % _ROW for length in lengths]
-    shifts = torch.tensor([0, *itertools.accumulate(padding)][:-1], device=device)
-    positions = torch.arange(flat.numel(), device=device) + _repeat(shifts, lengths, device)
-    rows = flat.new_zeros(sum(lengths) + sum(padding))
-    rows[positions] = flat
-    return rows
-
-
-def _row_sums(rows: Tensor) -> Tensor:
-    """``rows`` (integer words) times the weights: converted to float64 a block of rows at a
-    time."""
-    weights = _weights(rows.device)
-    out = torch.empty(rows.shape[0], 2 + _RANDOM_LANES, dtype=torch.float64, device=rows.device)
-    for start in range(0, rows.shape[0], _ROWS_PER_BLOCK):
-        block = rows[start : start + _ROWS_PER_BLOCK].to(torch.float64)
-        torch.mm(block, weights, out=out[start : start + _ROWS_PER_BLOCK])
-    return out
-
-
-def _combine(sums: Tensor, rows_of: list[int], device: torch.device) -> Tensor:
-    """Each tensor's lanes from its rows' sums (int64, wrapping): the row ``r`` of a tensor adds
-    ``2 * 64 * r * (row sum) + (its D0 sum)`` to D0 and ``u_k(r) * (its Dk sum)`` to Dk."""
-    owner = _repeat(torch.arange(len(rows_of), device=device), rows_of, device)
-    starts = torch.tensor([0, *itertools.accumulate(rows_of)][:-1], device=device)
-    row = torch.arange(sums.shape[0], dtype=torch.int64, device=device) - starts[owner]
-    per_row = torch.empty(sums.shape[0], LANES, dtype=torch.int64, device=device)
-    per_row[:, 0] = 2 * _ROW * row * sums[:, 0] + sums[:, 1]
-    longest = max(rows_of, default=0)
-    for lane in range(1, LANES):
-        per_row[:, lane] = _multipliers(longest, lane, device)[row] * sums[:, 1 + lane]
-    lanes = torch.zeros(len(rows_of), LANES, dtype=torch.int64, device=device)
-    return lanes.index_add_(0, owner, per_row)
-
-
-@functools.cache
 def _weights(device: torch.device) -> Tensor:
-    """The 64 x 5 weights: ones, ``2c + 1``, and three columns drawn in [1, 2^16)."""
+    """The 5 x 64 weights: ones, ``2c + 1``, and three rows drawn in [1, 2^16)."""
     generator = torch.Generator().manual_seed(0xD16E57)
     drawn = torch.randint(1, _WEIGHT_BOUND, (_ROW, _RANDOM_LANES), generator=generator)
     column = torch.arange(_ROW)
-    weights = torch.cat([torch.ones(_ROW, 1), (2 * column + 1)[:, None], drawn], dim=1)
+    weights = torch.cat([torch.ones(1, _ROW), (2 * column + 1)[None], drawn.t()])
     return weights.to(torch.float64).to(device)
+
+
+def _coefficients(rows: int, device: torch.device) -> Tensor:
+    """Per row index ``r < rows`` (a column), what its five sums are multiplied by:
+    ``2 * 64 * r`` (the row sum, toward D0), 1 (the D0 sum) and ``u_1(r), u_2(r), u_3(r)``."""
+    index = torch.arange(rows, dtype=torch.int64, device=device)
+    lanes = [_odd_multipliers(index, lane) for lane in range(1, LANES)]
+    return torch.stack([2 * _ROW * index, torch.ones_like(index), *lanes])
 
 
 def odd_weight(*key: object) -> int:
@@ -177,19 +448,6 @@ _MIX_2 = _signed(0x94D049BB133111EB)
 def _shift_right(values: Tensor, bits: int) -> Tensor:
     """The logical right shift of int64 values (torch's ``>>`` keeps the sign)."""
     return (values >> bits) & ((1 << (64 - bits)) - 1)
-
-
-_multiplier_tables: dict[tuple[int, torch.device], Tensor] = {}
-
-
-def _multipliers(rows: int, lane: int, device: torch.device) -> Tensor:
-    """``u_lane(r)`` for ``r < rows`` at least, from a table kept per device (grown as needed)."""
-    table = _multiplier_tables.get((lane, device))
-    if table is None or table.numel() < rows:
-        size = max(rows, 2 * table.numel() if table is not None else 1 << 12)
-        table = _odd_multipliers(torch.arange(size, dtype=torch.int64, device=device), lane)
-        _multiplier_tables[(lane, device)] = table
-    return table
 
 
 def _odd_multipliers(rows: Tensor, lane: int) -> Tensor:
