@@ -477,14 +477,13 @@ def test_state_missing_on_some_copies_is_a_mismatch_and_created_by_the_repair(ra
 # --- every dtype; tensors that cannot be read ---------------------------------------------------
 
 # Every dtype torch has but the quantized ones (their scale and zero point are no bits of theirs:
-# refused, below), and complex32 (tested on its own).
+# refused, below).
 DTYPES = sorted(
     {
         dtype
         for dtype in vars(torch).values()
         if isinstance(dtype, torch.dtype) and not str(dtype).startswith("torch.q")
-    }
-    - {torch.complex32},
+    },
     key=str,
 )
 
@@ -529,26 +528,11 @@ def _every_dtype(dtypes: list[torch.dtype]) -> dict[str, Any]:
     return {"clean": clean, **_scenario(model, None, plant)}
 
 
-@pytest.mark.parametrize(
-    "dtypes",
-    [
-        pytest.param(DTYPES, id="every dtype"),
-        pytest.param(
-            [torch.complex32],
-            id="complex32",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the digests count one 16-bit word per complex32 element where "
-                "view_as_real gives two (a size mismatch on every rank); fixed in _digests",
-            ),
-        ),
-    ],
-)
-def test_every_dtype_is_compared_and_repaired(ranks, dtypes):
-    results = ranks.run(WORLD, _every_dtype, dtypes)
-    names = [_dtype_name(d) for d in dtypes]
+def test_every_dtype_is_compared_and_repaired(ranks):
+    results = ranks.run(WORLD, _every_dtype, DTYPES)
+    names = [_dtype_name(d) for d in DTYPES]
     floating = [
-        n for n, d in zip(names, dtypes, strict=True) if d.is_floating_point or d.is_complex
+        n for n, d in zip(names, DTYPES, strict=True) if d.is_floating_point or d.is_complex
     ]
     order = floating + [n for n in names if n not in floating]
     for rank, record in enumerate(results):

@@ -96,30 +96,37 @@ def digests(tensors: Sequence[Tensor]) -> Tensor:
     return plan(tensors)(tensors)
 
 
-def plan(tensors: Sequence[Tensor]) -> Plan:
+def plan(tensors: Sequence[Tensor], device: torch.device | None = None) -> Plan:
     """The plan that digests tensors of the layout of ``tensors`` (their dtypes, shapes and
     devices, in order): built once, applied to each call's tensors of that layout.
+
+    Args:
+        tensors: tensors of the layout.
+        device: where the digests go. Default: the first tensor's device (the CPU when there is
+            none).
 
     Raises:
         ValueError: a tensor is not a dense strided tensor.
         TypeError: a tensor is quantized (its values are not its raw bits alone).
     """
-    return Plan(tensors)
+    return Plan(tensors, device)
 
 
 class Plan:
     """Digests of tensors of one layout, with every constant it needs on the tensors' devices.
 
     Calling it with tensors of that layout returns their digests, int64 of shape
-    ``(len(tensors), LANES)`` on the first tensor's device, with no host sync: no value read back,
-    no tensor built from host data. Tensors on another device than the first have their lanes
-    moved to it (one copy per such device).
+    ``(len(tensors), LANES)`` on the plan's device, with no host sync: no value read back, no
+    tensor built from host data. Tensors on another device have their lanes moved to it, one
+    copy per such device: from the CPU without blocking (CPU tensors beside CUDA ones are AdamW's
+    step counts, which torch keeps on the CPU), from a GPU with a blocking copy, which only a
+    plan whose device is the CPU makes.
 
     Attributes:
         nbytes: the bytes of the tensors it digests.
     """
 
-    def __init__(self, tensors: Sequence[Tensor]) -> None:
+    def __init__(self, tensors: Sequence[Tensor], device: torch.device | None = None) -> None:
         for position, tensor in enumerate(tensors):
             if tensor.layout != torch.strided:
                 raise ValueError(f"tensor {position} is of layout {tensor.layout}: dense only")
@@ -131,7 +138,8 @@ class Plan:
         self._dtypes = [tensor.dtype for tensor in tensors]
         self._shapes = [tensor.shape for tensor in tensors]
         self.nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-        self._device = tensors[0].device if tensors else torch.device("cpu")
+        first = tensors[0].device if tensors else torch.device("cpu")
+        self._device = device if device is not None else first
         on: dict[torch.device, list[int]] = {}
         for position, tensor in enumerate(tensors):
             if tensor.numel():
@@ -147,18 +155,14 @@ class Plan:
         Raises:
             ValueError: ``tensors`` do not have the layout the plan was built for.
         """
-        with torch.inference_mode():  # no autograd bookkeeping on its many views and copies
-            lanes = self._lanes(tensors)
-        return lanes.clone()  # a normal tensor, which the caller may update in place
-
-    def _lanes(self, tensors: Sequence[Tensor]) -> Tensor:
         self._check(tensors)
         count = len(tensors)
-        if not self._parts:  # only empty tensors (or none): every lane is zero
-            return torch.zeros(count, LANES, dtype=torch.int64, device=self._device)
-        total = self._parts[0].sums(tensors, count).to(self._device)
-        for part in self._parts[1:]:
-            total += part.sums(tensors, count).to(self._device)
+        with torch.inference_mode():  # no autograd bookkeeping on its many views and copies
+            parts = [part.sums(tensors, count) for part in self._parts]
+        # Outside inference mode: a normal tensor, which the caller may update in place.
+        total = torch.zeros(_COLUMNS, count, dtype=torch.int64, device=self._device)
+        for sums in parts:
+            total += _moved(sums, self._device)
         # D0 = sum 2 * 64 * r * (row sum) + sum (D0 row sum); Dk = sum u_k(r) (Dk row sum)
         return torch.stack([total[0] + total[1], *total[2:]], dim=1)
 
@@ -182,6 +186,15 @@ class Plan:
             f"plan was built for {self._dtypes[position]} of shape "
             f"{tuple(self._shapes[position])}: build a plan for this layout"
         )
+
+
+def _moved(sums: Tensor, device: torch.device) -> Tensor:
+    """``sums`` on ``device``: from the CPU without blocking (the copy is queued on the
+    device's stream), from a GPU to the CPU with a blocking copy."""
+    if sums.device == device:
+        return sums
+    moved = torch.empty(sums.shape, dtype=sums.dtype, device=device)
+    return moved.copy_(sums, non_blocking=sums.device.type == "cpu")
 
 
 _Member = tuple[int, int, int]  # position, first word, the word after the last
@@ -434,15 +447,23 @@ def odd_weight(*key: object) -> int:
     return int.from_bytes(digest, "little") | 1
 
 
-def _signed(value: int) -> int:
-    """An unsigned 64-bit constant as the int64 with the same bits."""
+def signed(value: int) -> int:
+    """``value`` mod 2^64, as the int64 with the same bits."""
+    value %= 1 << 64
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-# splitmix64's constants (Steele, Lea and Flood), as int64.
-_GOLDEN = _signed(0x9E3779B97F4A7C15)
-_MIX_1 = _signed(0xBF58476D1CE4E5B9)
-_MIX_2 = _signed(0x94D049BB133111EB)
+# splitmix64's increment and its finaliser's multipliers (Steele, Lea and Flood), as int64.
+GOLDEN = signed(0x9E3779B97F4A7C15)
+_MIX_1 = signed(0xBF58476D1CE4E5B9)
+_MIX_2 = signed(0x94D049BB133111EB)
+
+
+def mix(z: Tensor) -> Tensor:
+    """splitmix64's finaliser on int64 values (wrapping arithmetic, logical shifts)."""
+    z = (z ^ _shift_right(z, 30)) * _MIX_1
+    z = (z ^ _shift_right(z, 27)) * _MIX_2
+    return z ^ _shift_right(z, 31)
 
 
 def _shift_right(values: Tensor, bits: int) -> Tensor:
@@ -452,7 +473,4 @@ def _shift_right(values: Tensor, bits: int) -> Tensor:
 
 def _odd_multipliers(rows: Tensor, lane: int) -> Tensor:
     """``u_lane(r)`` for each row index ``r``: odd pseudo-random int64s (splitmix64)."""
-    z = (rows + lane * (1 << 40)) * _GOLDEN
-    z = (z ^ _shift_right(z, 30)) * _MIX_1
-    z = (z ^ _shift_right(z, 27)) * _MIX_2
-    return (z ^ _shift_right(z, 31)) | 1
+    return mix((rows + lane * (1 << 40)) * GOLDEN) | 1

@@ -198,10 +198,10 @@ def verify_replicas(
     vector = plan.constant.clone()
     prints = None
     if plan.compared:
-        prints = _digests.digests([local[i] for i in plan.compared]).to(plan.device)
+        prints = plan.digests([local[i] for i in plan.compared])
         vector[:LANES] += (plan.coefficients * prints).sum(0)
     dist.all_reduce(vector, op=dist.ReduceOp.SUM)
-    report = ReplicaReport(len(entries), len(plan.compared), plan.compared_bytes, with_buffers)
+    report = ReplicaReport(len(entries), len(plan.compared), plan.digests.nbytes, with_buffers)
     if not bool(vector.any()) or not moves_data():  # the verdict: the one host sync
         return report
     param_marks = marks[len(entries) :] if marks is not None else [None] * len(params)
@@ -230,7 +230,7 @@ def verify_replicas(
     if dist.get_rank() == 0:
         logger.warning("%s repaired %s", WHAT, _replica_failures.listed(mismatches))
     return ReplicaReport(
-        len(entries), len(plan.compared), plan.compared_bytes, with_buffers, mismatches
+        len(entries), len(plan.compared), plan.digests.nbytes, with_buffers, mismatches
     )
 
 
@@ -331,7 +331,7 @@ class _Plan:
     stage: frozenset[int]  # the ranks of this rank's stage
     groups: list[CopyGroup | None]
     compared: list[int]  # the tensors with copies (groups larger than one, no Partial dims)
-    compared_bytes: int
+    digests: _digests.Plan  # the compared tensors' digests, planned for their layout
     coefficients: Tensor  # (compared, LANES) int64 on device: each member's weights
     constant: Tensor  # the vector before the digests: presence terms, self-check, error count
     device: torch.device
@@ -379,11 +379,13 @@ def _plan(
     # The self-check of the tensors every rank of the stage holds (optimizer state need not be:
     # a missing copy shows through its group's presence terms), weighted by name.
     coverage = sum(
-        _wrap(_digests.odd_weight("coverage", at.index, e.name) * _ownership.coverage(h, at))
+        _digests.signed(
+            _digests.odd_weight("coverage", at.index, e.name) * _ownership.coverage(h, at)
+        )
         for e, h in zip(entries, held, strict=True)
         if e.kind != "state"
     )
-    constant = torch.tensor([*presence, _wrap(coverage), int(error is not None)])
+    constant = torch.tensor([*presence, _digests.signed(coverage), int(error is not None)])
     local = [local_tensor(entries[i].tensor) for i in compared]
     plan = _Plan(
         held=held,
@@ -391,7 +393,7 @@ def _plan(
         stage=stage,
         groups=groups,
         compared=compared,
-        compared_bytes=sum(t.numel() * t.element_size() for t in local),
+        digests=_digests.plan(local, device),
         coefficients=coefficients.to(device),
         constant=constant.to(device),
         device=device,
@@ -442,7 +444,9 @@ def _weights(
     positions: dict[int, tuple[frozenset[int], dict[int, int]]] = {}
     for row, (name, h, group) in enumerate(members):
         weight = _digests.odd_weight("copies", at.index, name, *group.key)
-        coefficients[row, 0] = _wrap(weight * (group.size - 1 if group.is_reference else -1))
+        coefficients[row, 0] = _digests.signed(
+            weight * (group.size - 1 if group.is_reference else -1)
+        )
         universe = _ownership.universe(group, h, stage)
         if id(universe) not in positions:
             positions[id(universe)] = (universe, {r: i for i, r in enumerate(sorted(universe))})
@@ -459,11 +463,11 @@ def _weights(
         signs += [sign for _, sign in points]
         constants.append(constant)
     if count:
-        values = _mix(seeds[rows, 1:] + torch.tensor(places)[:, None] * _GOLDEN)
+        values = _digests.mix(seeds[rows, 1:] + torch.tensor(places)[:, None] * _digests.GOLDEN)
         sums = torch.zeros(count, LANES - 1, dtype=torch.int64)
         sums.index_add_(0, torch.tensor(rows), values * torch.tensor(signs)[:, None])
         coefficients[:, 1:] = 2 * sums + torch.tensor(constants)[:, None]
-    presence = (coefficients * _mix(seeds)).sum(0)
+    presence = (coefficients * _digests.mix(seeds)).sum(0)
     return coefficients, presence.tolist()
 
 
@@ -480,28 +484,6 @@ def _seeds(stage: int, name: str, key: tuple[int, ...]) -> list[int]:
     """``LANES`` 64-bit seeds of one group (as int64s), the same in every process."""
     digest = hashlib.blake2b(repr(("copies", stage, name, key)).encode(), digest_size=8 * LANES)
     return [
-        _wrap(int.from_bytes(digest.digest()[8 * k : 8 * k + 8], "little")) for k in range(LANES)
+        _digests.signed(int.from_bytes(digest.digest()[8 * k : 8 * k + 8], "little"))
+        for k in range(LANES)
     ]
-
-
-def _wrap(value: int) -> int:
-    """``value`` mod 2^64, as the int64 with the same bits."""
-    value %= 1 << 64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-# splitmix64 (Steele, Lea and Flood): its increment and its finaliser's multipliers, as int64.
-_GOLDEN = _wrap(0x9E3779B97F4A7C15)
-_MIX_1 = _wrap(0xBF58476D1CE4E5B9)
-_MIX_2 = _wrap(0x94D049BB133111EB)
-
-
-def _mix(z: Tensor) -> Tensor:
-    """splitmix64's finaliser on int64 values (wrapping arithmetic, logical shifts)."""
-    z = (z ^ _shift_right(z, 30)) * _MIX_1
-    z = (z ^ _shift_right(z, 27)) * _MIX_2
-    return z ^ _shift_right(z, 31)
-
-
-def _shift_right(values: Tensor, bits: int) -> Tensor:
-    return (values >> bits) & ((1 << (64 - bits)) - 1)
