@@ -320,7 +320,7 @@ def _() -> Case:
 # get_total_norm and clip_grads_with_norm_ ------------------------------------------------------
 
 
-@_case("get_total_norm grads meta", ValueError, r"grads\[1\] is on the meta device")
+@_case("get_total_norm tensors meta", ValueError, r"tensors\[1\] is on the meta device")
 def _() -> Case:
     g = _grads()
     return g, lambda: get_total_norm([g[0], torch.ones(2, device="meta")])

@@ -92,6 +92,7 @@ def request(
     *,
     per_rank: bool = False,
     label: Callable[[int], str] | None = None,
+    argument: str = "grads",
 ) -> NormRequest:
     """The norm arguments, checked before any collective and resolved.
 
@@ -100,13 +101,14 @@ def request(
         norm_type, foreach, pp_group, distinct_along, dtype, check, per_rank: as for
             ``total_grad_norm``.
         what: the public function, for messages.
-        label: names gradient ``i`` in messages. Default: ``grads[i]``.
+        label: names gradient ``i`` in messages. Default: ``{argument}[i]``.
+        argument: the public function's argument that holds the gradients, for messages.
 
     Raises:
         TypeError, ValueError: as for ``total_grad_norm``.
     """
     order = _inputs.norm_order(norm_type)
-    _inputs.check_grads(grads, "grads")
+    _inputs.check_grads(grads, argument)
     if per_rank:
         _inputs.check_per_rank(grads, pp_group, distinct_along)
     pp_process_group = resolve_group(pp_group, "pp_group")
@@ -119,12 +121,12 @@ def request(
         check=check_enabled(check) and is_distributed(),
         per_rank=per_rank,
         what=what,
-        label=label if label is not None else _grad_label,
+        label=label if label is not None else functools.partial(_grad_label, argument),
     )
 
 
-def _grad_label(index: int) -> str:
-    return f"grads[{index}]"
+def _grad_label(argument: str, index: int) -> str:
+    return f"{argument}[{index}]"
 
 
 @dataclass

@@ -332,16 +332,27 @@ def _norm_of(
     check: bool | None,
     per_rank: bool,
 ) -> Tensor:
-    """The total norm of ``grads`` for the public function ``what``."""
-    _refuse_on_every_rank(grads, check, per_rank, what)
+    """The total norm of ``grads`` for the public function ``what``, whose argument holding them
+    is named ``grads`` (``tensors`` for torch's name) in messages."""
+    argument = "tensors" if what == "get_total_norm" else "grads"
+    _refuse_on_every_rank(grads, check, per_rank, what, argument)
     request = _norms.request(
-        grads, norm_type, foreach, pp_group, distinct_along, dtype, check, what, per_rank=per_rank
+        grads,
+        norm_type,
+        foreach,
+        pp_group,
+        distinct_along,
+        dtype,
+        check,
+        what,
+        per_rank=per_rank,
+        argument=argument,
     )
     return _total_norm(grads, request, error_if_nonfinite).total
 
 
 def _refuse_on_every_rank(
-    grads: list[Tensor], check: bool | None, per_rank: bool, what: str
+    grads: list[Tensor], check: bool | None, per_rank: bool, what: str, argument: str = "grads"
 ) -> None:
     """In the check mode, a gradient refused on one rank only raises on every rank, before any
     other collective (see the notes of :func:`total_grad_norm`)."""
@@ -349,7 +360,7 @@ def _refuse_on_every_rank(
         return
     if dist.get_world_size() == 1:
         return
-    refusal = _inputs.grads_refusal(grads, "grads")
+    refusal = _inputs.grads_refusal(grads, argument)
     device = collective_device([grad for grad in grads if not grad.is_meta])
     _layout_check.refuse_on_every_rank(refusal, device, what)
 
