@@ -353,7 +353,10 @@ def test_a_planned_call_has_no_host_sync_and_its_kernels_do_not_grow_with_the_te
     assert _kernels(_traced(lambda: plan_small_few(only_small_few))) == _kernels(
         _traced(lambda: plan_small_many(only_small_many))
     )
-    assert not {"arange", "randint", "bitwise_xor", "cumsum"} & set(steady_many.ops)
+    # Only the rows read in place get their coefficients on each call (a block at a time).
+    steady_small = _traced(lambda: plan_small_many(only_small_many))
+    assert not {"arange", "randint", "bitwise_xor", "cumsum"} & set(steady_small.ops)
+    assert not {"randint", "cumsum"} & set(steady_many.ops)
     # What the trace flags, each caught: the old per-call index and size tensors, reads.
     x = torch.arange(10.0)
     planted = _traced(
@@ -376,6 +379,29 @@ def test_a_planned_call_has_no_host_sync_and_its_kernels_do_not_grow_with_the_te
     ]
     building = _traced(lambda: _digests.plan(few))
     assert {"lift_fresh", "arange", "bitwise_xor", "cumsum"} <= set(building.ops)
+
+
+def _kept_bytes(plan: _digests.Plan) -> int:
+    """The bytes of the tensors a plan keeps (its parts' row owners, coefficients, weights)."""
+    kept = [
+        t
+        for part in plan._parts
+        for t in (part.weights, *(x for g in part.groups for x in (g.owner, g.coefficients)))
+    ]
+    return sum(t.numel() * t.element_size() for t in kept)
+
+
+def test_a_plan_keeps_nothing_per_row_of_the_tensors_it_reads_in_place():
+    """A plan's constants grow with the small tensors' rows only: the large ones' coefficients
+    are made a block at a time, so a model of many GiB keeps a few KiB per plan for them."""
+    generator = torch.Generator().manual_seed(6)
+    large = [torch.randn(64 * 4096 * 3 + 7, generator=generator) for _ in range(2)]
+    small = [torch.randn(100, generator=generator) for _ in range(8)]
+    kept_large = _kept_bytes(_digests.plan(large))
+    kept_small = _kept_bytes(_digests.plan(small))
+    # The weights and the two partial last rows (copied): nothing per row read in place.
+    assert kept_large <= 2 * 48 + 5 * 64 * 8 + 16, kept_large
+    assert kept_small == 8 * 2 * 48 + 5 * 64 * 8  # two rows each (100 words), and the weights
 
 
 def test_odd_weights_are_odd_and_fixed():

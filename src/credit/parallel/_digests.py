@@ -39,9 +39,12 @@ tensors of one dtype are copied together a block of rows at a time (2 MiB of flo
 dimension (one ``cat``), the others flattened with their padding (one more); a tensor of at least
 4096 rows is read where it lies (its last partial row copied with the small ones); each block is
 converted to float64 while it is still in cache and multiplied; and the rows' results are
-weighted and added up per tensor (one ``index_add_`` per group). A call holds about one block of
-copied words and one of float64, beside the per-row results (five float64 and five int64 numbers
-per 64 words).
+weighted and added up per tensor (one ``index_add_`` per group). The rows read in place get their
+coefficients a block at a time, on each call (a few elementwise kernels per block), so that
+neither what a plan keeps nor what a call allocates grows with the large tensors: a plan keeps
+48 bytes per copied row of 64 words (the small tensors' rows only), and a call holds about one
+block of copied words and one of float64, beside the copied rows' results (five float64 and five
+int64 numbers per 64 words).
 """
 
 from __future__ import annotations
@@ -251,11 +254,11 @@ class _Group:
 @dataclass(frozen=True)
 class _DevicePart:
     """What the tensors on one device need: their groups, the tensors read where they lie
-    (position, whole rows) and the coefficients of their rows, and the weights."""
+    (position, whole rows), and the weights. The coefficients of the rows read in place are made
+    a block at a time on each call, so that what a plan keeps does not grow with them."""
 
     groups: list[_Group]
     in_place: list[tuple[int, int]]
-    coefficients: Tensor  # (5, rows) int64 for row indices up to the longest read in place
     weights: Tensor  # (5, 64) float64
     block_rows: int
 
@@ -284,11 +287,6 @@ class _DevicePart:
                 members.setdefault((dtype, False), []).append((position, 0, length))
             else:
                 members.setdefault((_word_dtype(dtype), True), []).append((position, 0, length))
-        longest = max(
-            [rows for _, rows in in_place]
-            + [-(-stop // _ROW) for found in members.values() for _, _, stop in found]
-        )
-        table = _coefficients(longest, device)
         most = max(  # rows a block ever holds: a tensor read in place, or a whole group
             [rows for _, rows in in_place]
             + [
@@ -298,15 +296,11 @@ class _DevicePart:
         )
         block_rows = min(most, _CPU_BLOCK_ROWS if device.type == "cpu" else _DEVICE_BLOCK_ROWS)
         groups = [
-            _group(found, dtype, viewed, shapes, table, block_rows)
+            _group(found, dtype, viewed, shapes, device, block_rows)
             for (dtype, viewed), found in members.items()
         ]
         return cls(
-            groups=groups,
-            in_place=in_place,
-            coefficients=table[:, : max((rows for _, rows in in_place), default=0)].clone(),
-            weights=_weights(device),
-            block_rows=block_rows,
+            groups=groups, in_place=in_place, weights=_weights(device), block_rows=block_rows
         )
 
     def sums(self, tensors: Sequence[Tensor], count: int) -> Tensor:
@@ -324,14 +318,16 @@ class _DevicePart:
                 start += rows.shape[0]
             products = sums.to(torch.int64).mul_(group.coefficients)
             total.index_add_(1, group.owner, products)
+        sums = torch.empty(_COLUMNS, self.block_rows, dtype=torch.float64, device=device)
         for position, rows_in_place in self.in_place:
             words = _words(tensors[position])[: rows_in_place * _ROW].view(-1, _ROW)
-            sums = torch.empty(_COLUMNS, rows_in_place, dtype=torch.float64, device=device)
             for start in range(0, rows_in_place, self.block_rows):
-                stop = start + self.block_rows
-                self._multiply(words[start:stop], block, sums[:, start:stop])
-            products = sums.to(torch.int64).mul_(self.coefficients[:, :rows_in_place])
-            total[:, position].add_(products.sum(1))
+                rows = words[start : start + self.block_rows]
+                out = sums[:, : rows.shape[0]]
+                self._multiply(rows, block, out)
+                index = torch.arange(start, start + rows.shape[0], device=device)
+                products = out.to(torch.int64).mul_(_coefficients_at(index))
+                total[:, position].add_(products.sum(1))
         return total
 
     def _multiply(self, rows: Tensor, block: Tensor, out: Tensor) -> None:
@@ -347,14 +343,13 @@ def _group(
     dtype: torch.dtype,
     viewed: bool,
     shapes: list[torch.Size],
-    table: Tensor,
+    device: torch.device,
     block_rows: int,
 ) -> _Group:
     """The group of ``found``, copied as ``dtype`` (its words when ``viewed``) in chunks of at
     most ``block_rows`` rows: tensors of one trailing shape that fill whole rows joined, the
-    others each with its padding; with its rows' tensor and coefficients (taken from ``table``,
-    by row index)."""
-    device = table.device
+    others each with its padding; with its rows' tensor and coefficients (those of each row's
+    index in its tensor), on ``device``."""
     per_element = 1 if viewed else _words_per_element(dtype)
     zeros = torch.zeros((_ROW - 1) // per_element, dtype=dtype, device=device)
     joinable: dict[tuple[int, ...], list[_Member]] = {}
@@ -384,7 +379,7 @@ def _group(
     owner = torch.repeat_interleave(positions, counts)
     starts = torch.cumsum(counts, 0) - counts  # each member's first row in the group
     row_of = torch.arange(int(counts.sum())) - torch.repeat_interleave(starts - first_rows, counts)
-    coefficients = table.index_select(1, row_of.to(device))
+    coefficients = _coefficients_at(row_of.to(device))
     return _Group(tuple(chunks), viewed, _word_dtype(dtype), owner.to(device), coefficients)
 
 
@@ -433,10 +428,9 @@ def _weights(device: torch.device) -> Tensor:
     return weights.to(torch.float64).to(device)
 
 
-def _coefficients(rows: int, device: torch.device) -> Tensor:
-    """Per row index ``r < rows`` (a column), what its five sums are multiplied by:
-    ``2 * 64 * r`` (the row sum, toward D0), 1 (the D0 sum) and ``u_1(r), u_2(r), u_3(r)``."""
-    index = torch.arange(rows, dtype=torch.int64, device=device)
+def _coefficients_at(index: Tensor) -> Tensor:
+    """Per row index ``r`` of ``index`` (int64, a column each), what its five sums are multiplied
+    by: ``2 * 64 * r`` (the row sum, toward D0), 1 (the D0 sum) and ``u_1(r), u_2(r), u_3(r)``."""
     lanes = [_odd_multipliers(index, lane) for lane in range(1, LANES)]
     return torch.stack([2 * _ROW * index, torch.ones_like(index), *lanes])
 
