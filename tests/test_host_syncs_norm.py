@@ -122,10 +122,7 @@ VERDICT = (READ, "_norm_plan.py:verify")  # the verification's verdict
 INDEX = (FROM_HOST, "_norm_plan.py:indices")  # an index tensor asked for the first time
 REPORT = (READ, "norm_report.py:grad_norm_report")
 STAGES = (READ, "_norms.py:_pipeline")  # the pipeline's one read
-STAGE_RANKS = {
-    (READ, "_ownership.py:stage_ranks"): 1,
-    (FROM_HOST, "_ownership.py:stage_ranks"): 1,
-}
+STAGE_RANKS = {(READ, "_ownership.py:stage_ranks"): 1}
 
 
 def _one_stage() -> dict[str, list[Events]]:
@@ -184,6 +181,6 @@ def _two_stages(width: int) -> list[Events]:
 def test_pipeline_stages_read_once_per_call(ranks):
     for first, *later in ranks.run(4, _two_stages, 6):
         # The first call also learns the ranks of each stage, once per pipeline group (one
-        # copy, one read), and the segment of each norm (an index tensor).
+        # read), and the segment of each norm (an index tensor).
         assert first == {PLAN: 1, COPIES: 1, VERDICT: 1, INDEX: 1, STAGES: 1, **STAGE_RANKS}
         assert later == [{STAGES: 1}, {STAGES: 1}]

@@ -90,7 +90,7 @@ def stage_ranks(at: Stages, pp_group: ProcessGroup | None, device: torch.device)
     ranks = _stage_by_pp_group.get(pp_group)
     if ranks is None:
         stage_of = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
-        stage_of[dist.get_rank()] = at.index + 1  # 0: a rank not heard from
+        stage_of[dist.get_rank()].fill_(at.index + 1)  # 0: a rank not heard from
         dist.all_reduce(stage_of, op=dist.ReduceOp.SUM)
         mine = at.index + 1
         ranks = frozenset(r for r, s in enumerate(stage_of.tolist()) if s == mine)
