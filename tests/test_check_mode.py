@@ -26,6 +26,7 @@ from credit.parallel.collectives import (
     get_total_norm,
     total_grad_norm,
 )
+from credit.parallel.norm_report import grad_norm_report
 
 WORLD = 4
 ODD_RANK = 3  # the rank whose layout differs
@@ -239,8 +240,8 @@ REFUSING_RANK = 2
 
 
 def _one_rank_refuses() -> list[tuple[str, str, str, bool]]:
-    """Rank 2 alone passes a gradient on the meta device (to each norm and to the clip), or of an
-    integer dtype (to total_grad_norm). Without the check it would raise alone while the others
+    """Rank 2 alone passes a gradient on the meta device (to each norm, the clip and the report),
+    or of an integer dtype (to total_grad_norm). Without the check it would raise alone while the others
     wait in the norm's all_reduce; with it every rank raises its error."""
     generator = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(5))]
@@ -258,6 +259,9 @@ def _one_rank_refuses() -> list[tuple[str, str, str, bool]]:
         "get_total_norm": lambda: get_total_norm(grads, check=True),
         "clip_grad_norm_": lambda: clip_grad_norm_(mine, 0.01, check=True),
         "total_grad_norm integer": lambda: total_grad_norm(integer, check=True),
+        "grad_norm_report": lambda: grad_norm_report(
+            [(f"p{i}", p) for i, p in enumerate(mine)], check=True
+        ),
     }
     results = []
     for name, call in calls.items():

@@ -13,8 +13,8 @@ the same in every process. Copies with the same bits have the same digest; copie
 - by one flipped bit: some ``x_j`` changes by +-2^b (b < 32), so D0 by (2j + 1) 2^b, an odd number
   times a power of two below 2^64: never 0 mod 2^64. Detected with certainty.
 - by two elements of at most 4 bytes swapped (``x_j <-> x_k``, unequal): D0 changes by
-  2 (j - k) (x_k - x_j), whose factors of two number at most 1 + 30 + 31 < 64 for tensors under
-  2^31 words. Detected with certainty.
+  2 (j - k) (x_k - x_j), whose factors of two number at most 1 + 31 + 31 < 64 for tensors under
+  2^32 words. Detected with certainty.
 - in any other way not chosen knowing the weights: each of D1, D2, D3 misses the difference with a
   probability of about 2^-16 (a weight would have to cancel it), independently, so about 2^-48 for
   the three. D0 alone misses some structured patterns (sign bits flipped in four neighbouring

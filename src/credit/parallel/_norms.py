@@ -47,7 +47,7 @@ from credit.parallel._groups import (
     resolve_group,
 )
 from credit.parallel._inputs import DistinctAlong
-from credit.parallel._layout_check import check_enabled, verify_same_layout
+from credit.parallel._layout_check import check_enabled, refuse_on_every_rank, verify_same_layout
 from credit.parallel._norm_plan import RESULT_DTYPES, Order, Plan
 from credit.parallel._ownership import Holding, Stages
 
@@ -108,7 +108,8 @@ def request(
         TypeError, ValueError: as for ``total_grad_norm``.
     """
     order = _inputs.norm_order(norm_type)
-    _inputs.check_grads(grads, argument)
+    check_mode = check_enabled(check) and is_distributed()
+    _refuse(grads, argument, what, on_every_rank=check_mode and not per_rank)
     if per_rank:
         _inputs.check_per_rank(grads, pp_group, distinct_along)
     pp_process_group = resolve_group(pp_group, "pp_group")
@@ -118,11 +119,24 @@ def request(
         dtype=dtype,
         pp_group=pp_process_group if group_size(pp_process_group) > 1 else None,
         distinct=_inputs.distinct_groups(distinct_along, grads),
-        check=check_enabled(check) and is_distributed(),
+        check=check_mode,
         per_rank=per_rank,
         what=what,
         label=label if label is not None else functools.partial(_grad_label, argument),
     )
+
+
+def _refuse(grads: list[Tensor], argument: str, what: str, *, on_every_rank: bool) -> None:
+    """Raise for a gradient no norm can take (``_inputs.grads_refusal``). In the check mode every
+    rank raises the refusal of the lowest rank that has one, before any other collective (one
+    small all_reduce); otherwise only the ranks that hold such a gradient raise."""
+    refusal = _inputs.grads_refusal(grads, argument)
+    if on_every_rank and dist.get_world_size() > 1:
+        device = collective_device([grad for grad in grads if not grad.is_meta])
+        refuse_on_every_rank(refusal, device, what)
+    elif refusal is not None:
+        kind, message = refusal
+        raise kind(message)
 
 
 def _grad_label(argument: str, index: int) -> str:

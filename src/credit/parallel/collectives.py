@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _buckets, _inputs, _layout_check, _norm_hooks, _norms, _ownership
+from credit.parallel import _buckets, _inputs, _norm_hooks, _norms, _ownership
 from credit.parallel._compat import local_tensor
 from credit.parallel._foreach import (
     group_by_device_and_dtype,
@@ -28,9 +28,7 @@ from credit.parallel._foreach import (
 from credit.parallel._groups import (
     GroupLike,
     averaging,
-    collective_device,
     group_size,
-    is_distributed,
     resolve_group,
 )
 from credit.parallel._inputs import DistinctAlong, TensorOrTensors
@@ -256,6 +254,7 @@ def total_grad_norm(
     return _norm_of(
         _inputs.tensor_list(grads, "grads"),
         "total_grad_norm",
+        "grads",
         norm_type,
         error_if_nonfinite,
         foreach,
@@ -309,6 +308,7 @@ def get_total_norm(
     return _norm_of(
         _inputs.tensor_list(tensors, "tensors"),
         "get_total_norm",
+        "tensors",
         norm_type,
         error_if_nonfinite,
         foreach,
@@ -323,6 +323,7 @@ def get_total_norm(
 def _norm_of(
     grads: list[Tensor],
     what: str,
+    argument: str,
     norm_type: float | str,
     error_if_nonfinite: bool,
     foreach: bool | None,
@@ -332,10 +333,8 @@ def _norm_of(
     check: bool | None,
     per_rank: bool,
 ) -> Tensor:
-    """The total norm of ``grads`` for the public function ``what``, whose argument holding them
-    is named ``grads`` (``tensors`` for torch's name) in messages."""
-    argument = "tensors" if what == "get_total_norm" else "grads"
-    _refuse_on_every_rank(grads, check, per_rank, what, argument)
+    """The total norm of ``grads`` for the public function ``what``, whose argument ``argument``
+    holds them (named in messages)."""
     request = _norms.request(
         grads,
         norm_type,
@@ -349,20 +348,6 @@ def _norm_of(
         argument=argument,
     )
     return _total_norm(grads, request, error_if_nonfinite).total
-
-
-def _refuse_on_every_rank(
-    grads: list[Tensor], check: bool | None, per_rank: bool, what: str, argument: str = "grads"
-) -> None:
-    """In the check mode, a gradient refused on one rank only raises on every rank, before any
-    other collective (see the notes of :func:`total_grad_norm`)."""
-    if per_rank or not check_enabled(check) or not is_distributed():
-        return
-    if dist.get_world_size() == 1:
-        return
-    refusal = _inputs.grads_refusal(grads, argument)
-    device = collective_device([grad for grad in grads if not grad.is_meta])
-    _layout_check.refuse_on_every_rank(refusal, device, what)
 
 
 @torch.no_grad()
@@ -426,7 +411,6 @@ def clip_grad_norm_(
     params, names = _inputs.parameter_list(parameters)
     bound = _inputs.clip_bound(max_norm)
     grads = [grad for p in params if (grad := p.grad) is not None]
-    _refuse_on_every_rank(grads, check, per_rank, "clip_grad_norm_")
     request = _norms.request(
         grads,
         norm_type,

@@ -122,9 +122,10 @@ def verify_replicas(
     while a copy of state that some members of its group lack is a mismatch.
 
     The comparison is bit-exact. Certain: one differing copy in a group (one flipped bit in one
-    element, or two elements of at most 4 bytes swapped) is detected. Probable: any other
-    difference, and differences on several copies at once (which may cancel in a sum), escape
-    with a probability of about 2^-48 or less (the guide states the bounds and the proof).
+    element, or two elements of at most 4 bytes swapped, in tensors of the sizes the guide states)
+    is detected. Probable: any other difference, and differences on several copies at once (which
+    may cancel in a sum), escape with a probability of about 2^-48 or less (the guide states the
+    bounds and the proof).
 
     Costs one all_reduce of six int64 numbers and about two passes over the local tensors that
     have copies (sharded tensors without copies are not read), on their device, with one host
