@@ -28,10 +28,9 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from layouts import TinyNet
+from workloads import MODEL
 
 from credit.parallel import _digests
-
-MODEL = {"blocks": 40, "dim": 64, "hidden": 128}  # the benchmark's (workloads.MODEL)
 
 
 def _model_and_state(device: torch.device, fused: bool) -> list[Tensor]:

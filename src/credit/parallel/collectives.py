@@ -18,11 +18,10 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _buckets, _inputs, _norm_hooks, _norms, _ownership
+from credit.parallel import _buckets, _inputs, _norm_hooks, _norm_plan, _norms, _ownership
 from credit.parallel._compat import local_tensor
 from credit.parallel._foreach import (
     group_by_device_and_dtype,
-    group_indices_by_device_and_dtype,
     use_foreach,
 )
 from credit.parallel._groups import (
@@ -482,11 +481,7 @@ def clip_grads_with_norm_(
     if not grads:
         return
     local = [local_tensor(grad) for grad in grads]
-    groups = [
-        (device, indices)
-        for (device, _), indices in group_indices_by_device_and_dtype(local).items()
-    ]
-    _scale_(local, groups, total, bound, foreach)
+    _scale_(local, _norm_plan.order_of(local).groups, total, bound, foreach)
 
 
 def _parameter_label(params: list[Tensor], names: list[str] | None) -> Callable[[int], str]:

@@ -442,16 +442,16 @@ def _weights(
     seeds = seeds.view(count, LANES)
     coefficients = torch.zeros(count, LANES, dtype=torch.int64)
     rows, places, signs, constants = [], [], [], []
-    positions: dict[int, tuple[frozenset[int], dict[int, int]]] = {}
+    positions: dict[frozenset[int], dict[int, int]] = {}
     for row, (name, h, group) in enumerate(members):
         weight = _digests.odd_weight("copies", at.index, name, *group.key)
         coefficients[row, 0] = _digests.signed(
             weight * (group.size - 1 if group.is_reference else -1)
         )
         universe = _ownership.universe(group, h, stage)
-        if id(universe) not in positions:
-            positions[id(universe)] = (universe, {r: i for i, r in enumerate(sorted(universe))})
-        place = positions[id(universe)][1]
+        if universe not in positions:
+            positions[universe] = {r: i for i, r in enumerate(sorted(universe))}
+        place = positions[universe]
         # -2 G(S_i) - 1 on every member; the reference adds 2 F(n) + c.
         runs = _runs(sorted(place[r] for r in group.share))
         points = [(b, -1) for _, b in runs] + [(a, 1) for a, _ in runs if a > 0]
