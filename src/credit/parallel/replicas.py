@@ -194,8 +194,8 @@ def verify_replicas(
         distinct_along, [entry.owner for entry in entries] + list(params.values())
     )
     distinct = marks[: len(entries)] if marks is not None else None
-    plan = _plan(entries, distinct, pp, _invalid(entries))
     local = [local_tensor(entry.tensor) for entry in entries]
+    plan = _plan(entries, local, distinct, pp, _invalid(entries, local))
     vector = plan.constant.clone()
     prints = None
     if plan.compared:
@@ -299,11 +299,10 @@ def _entries(
     return entries, params
 
 
-def _invalid(entries: list[Entry]) -> str | None:
+def _invalid(entries: list[Entry], locals_: list[Tensor]) -> str | None:
     """Why a tensor cannot be digested (it is sparse, quantized or on the meta device), or None;
     raised on every rank through the collective's error count."""
-    for entry in entries:
-        local = local_tensor(entry.tensor)
+    for entry, local in zip(entries, locals_, strict=True):
         if local.layout != torch.strided or local.is_meta or local.is_quantized:
             where = (
                 "on the meta device"
@@ -344,6 +343,7 @@ _plans: OrderedDict[tuple, _Plan] = OrderedDict()
 
 def _plan(
     entries: list[Entry],
+    local: list[Tensor],
     distinct: list[frozenset[int] | None] | None,
     pp_group: ProcessGroup | None,
     invalid: str | None,
@@ -357,8 +357,7 @@ def _plan(
     if found is not None:
         _plans.move_to_end(key)
         return found
-    with_data = [local_tensor(e.tensor) for e in entries if not local_tensor(e.tensor).is_meta]
-    device = collective_device(with_data[:1])
+    device = collective_device([t for t in local if not t.is_meta][:1])
     stage = _ownership.stage_ranks(at, pp_group, device)
     errors = (_ownership.layout_error(h, at, d) for h, d in zip(held, marks, strict=True))
     error = invalid or next((e for e in errors if e is not None), None)
@@ -387,14 +386,13 @@ def _plan(
         if e.kind != "state"
     )
     constant = torch.tensor([*presence, _digests.signed(coverage), int(error is not None)])
-    local = [local_tensor(entries[i].tensor) for i in compared]
     plan = _Plan(
         held=held,
         at=at,
         stage=stage,
         groups=groups,
         compared=compared,
-        digests=_digests.plan(local, device),
+        digests=_digests.plan([local[i] for i in compared], device),
         coefficients=coefficients.to(device),
         constant=constant.to(device),
         device=device,
