@@ -264,6 +264,14 @@ CASES: tuple[Case, ...] = (
         counts=(Count(OURS_CLIP, 1),),
     ),
     Case(
+        "ddp",
+        "clip on DDP's layout",
+        workloads.ddp,
+        (OURS_CLIP, TORCH_CLIP, OURS_NORM, TORCH_NORM),
+        ratios=(Ratio(OURS_CLIP, TORCH_CLIP), Ratio(OURS_NORM, TORCH_NORM)),
+        counts=(Count(OURS_CLIP, 1), Count(TORCH_CLIP, 0)),
+    ),
+    Case(
         "mixed",
         "clip on FSDP2 + TP",
         workloads.mixed,

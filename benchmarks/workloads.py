@@ -218,6 +218,28 @@ def clip(ctx: Context) -> Workload:
     )
 
 
+def ddp(ctx: Context) -> Workload:
+    """Plain replicas on every rank (DDP's layout): torch's clip issues no collective, ours one
+    small all_reduce that compares the copies and carries a NaN or inf from any of them."""
+    params = _with_grads(layouts.build("plain", 7, **MODEL, device=ctx.device.type).model)
+    grads = _grads(params)
+    max_norm = 0.5 * float(total_grad_norm(grads))
+    return Workload(
+        f"clip on DDP's layout: {len(params)} plain grads, copies on every rank ({ctx.world} "
+        "ranks)",
+        grads,
+        params,
+        max_norm=max_norm,
+        rows=[checks.same_bits_as_torch(params, max_norm)],
+        notes=[
+            "torch's clip takes each rank's norm alone, with no collective: a NaN or inf on one "
+            "rank, or copies that drifted apart, stay on that rank; ours returns torch's bits and "
+            f"adds one all_reduce of 1 + 4 x {len(params)} float64 numbers (this rank's norm and "
+            "the comparison of every gradient's copies)"
+        ],
+    )
+
+
 def mixed(ctx: Context) -> Workload:
     """FSDP2 + TP: grads on a 1D and a 2D mesh, where torch's clip raises."""
     params = _with_grads(layouts.build("fsdp_tp", 6, **MODEL, device=ctx.device.type).model)

@@ -214,6 +214,19 @@ def test_an_empty_generator_warns_where_torchs_functions_warn():
         clip_grads_with_norm_((p for p in []), 1.0, torch.tensor(1.0))
 
 
+def test_nothing_to_clip_returns_before_reading_total_norm_as_torch_does():
+    """With no gradient, torch's clip_grads_with_norm_ returns None whatever total_norm is (a
+    float included); so does ours. With gradients, a float total_norm is refused by both."""
+    without_grad = [torch.zeros(2, requires_grad=True)]
+    for parameters in ([], without_grad):
+        assert torch.nn.utils.clip_grads_with_norm_(parameters, 0.3, 1.5) is None  # type: ignore[arg-type]
+        assert clip_grads_with_norm_(parameters, 0.3, 1.5) is None  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        torch.nn.utils.clip_grads_with_norm_(_params("mixed"), 0.3, 1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="total_norm must be a tensor"):
+        clip_grads_with_norm_(_params("mixed"), 0.3, 1.5)  # type: ignore[arg-type]
+
+
 # --- a CPU max_norm never travels to the device --------------------------------------------------
 
 

@@ -302,10 +302,7 @@ def _not_root_body() -> str:
 # tests
 
 
-def _check(
-    results: list[dict[str, object]], kind: str, in_backward: list[int], clip: int = 1
-) -> None:
-    """``clip``: the clip's collectives (none for plain tensors, which are reduced locally)."""
+def _check(results: list[dict[str, object]], kind: str, in_backward: list[int]) -> None:
     for rank, result in enumerate(results):
         assert result["kind"] == kind
         assert result["same_bits"], f"rank {rank}: grads differ from the explicit path"
@@ -314,7 +311,7 @@ def _check(
         # What the explicit path still runs after backward (one bucket; a first call for a
         # layout may check it first); the in-backward path runs nothing there.
         assert result["explicit_after"] >= 1
-        assert result["clip_collectives"] == clip
+        assert result["clip_collectives"] == 1  # the clip's one, plain replicas included
         assert result["same_norm"] and result["clipped_same_bits"], rank
         assert "averaged over the domain group inside backward already" in str(result["twice"])
         assert "averaged over the domain group inside backward already" in str(
@@ -339,11 +336,11 @@ def test_fsdp2_with_tp_averages_inside_backward_with_the_explicit_bits(ranks) ->
 
 def test_ddp_averages_inside_backward_with_the_explicit_bits(ranks) -> None:
     # TinyNet's 24 grads fit one DDP bucket: one domain all_reduce in the comm hook.
-    _check(ranks.run(4, _ddp_body), "ddp", [0, 1], clip=0)
+    _check(ranks.run(4, _ddp_body), "ddp", [0, 1])
 
 
 def test_plain_model_averages_at_the_end_of_backward_with_the_explicit_bits(ranks) -> None:
-    _check(ranks.run(2, _plain_body), "plain", [0, 1], clip=0)
+    _check(ranks.run(2, _plain_body), "plain", [0, 1])
 
 
 def test_a_failed_backward_does_not_stop_later_averages(ranks) -> None:

@@ -107,7 +107,7 @@ def test_the_recorder_sees_a_read_and_a_copy_in_the_library():
     with HostSyncs() as syncs:
         total_grad_norm([torch.ones(3)], error_if_nonfinite=True)
         float(torch.ones(2).sum())  # outside the library: not counted
-    assert syncs.events == {(READ, "collectives.py:_total_norm"): 1}
+    assert syncs.events == {(READ, "_norms.py:raise_if_nonfinite"): 1}
     with HostSyncs() as syncs:
         torch.ones(2).tolist()
         torch.tensor([1.0, 2.0])
@@ -123,6 +123,9 @@ INDEX = (FROM_HOST, "_norm_plan.py:indices")  # an index tensor asked for the fi
 REPORT = (READ, "norm_report.py:grad_norm_report")
 STAGES = (READ, "_norms.py:_pipeline")  # the pipeline's one read
 STAGE_RANKS = {(READ, "_ownership.py:stage_ranks"): 1}
+# The copies' verdict, read at once where the collective's tensors are on the CPU (reading costs
+# no sync there); on a GPU it stays on the device (test_host_syncs.py traces the CUDA path).
+CPU_VERDICT = (READ, "_norms.py:raise_if_copies_differ")
 
 
 def _one_stage() -> dict[str, list[Events]]:
@@ -153,12 +156,17 @@ def _one_stage() -> dict[str, list[Events]]:
 
 def test_one_stage_copies_its_constants_once_and_reads_nothing_after(ranks):
     for events in ranks.run(4, _one_stage):
-        assert events["norm"] == [{PLAN: 1, COPIES: 1, VERDICT: 1}, {}, {}]
-        for call in ("norm inf", "clip, tensor max_norm"):
-            assert events[call] == [{}, {}, {}], call
+        verdict = {CPU_VERDICT: 1}
+        assert events["norm"] == [{PLAN: 1, COPIES: 1, VERDICT: 1, **verdict}, verdict, verdict]
+        assert events["norm inf"] == [{}, {}, {}]  # the largest copy needs no comparison
+        assert events["clip, tensor max_norm"] == [verdict] * 3
         # The scaler's flag reads the clip's entries through positions kept with the layout.
-        assert events["amp step"] == [{INDEX: 1}, {}, {}]
-        assert events["report"] == [{INDEX: 1, REPORT: 1}, {REPORT: 1}, {REPORT: 1}]
+        assert events["amp step"] == [{INDEX: 1, **verdict}, verdict, verdict]
+        assert events["report"] == [
+            {INDEX: 1, REPORT: 1, **verdict},
+            {REPORT: 1, **verdict},
+            {REPORT: 1, **verdict},
+        ]
 
 
 @functools.cache

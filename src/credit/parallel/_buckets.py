@@ -44,6 +44,7 @@ from credit.parallel import _aliasing
 from credit.parallel._foreach import group_indices_by_device_and_dtype
 from credit.parallel._groups import Averaging, averaging
 from credit.parallel._layout_check import verify_same_layout
+from credit.parallel._scoped import ScopedCache
 
 logger = logging.getLogger(__name__)
 
@@ -212,9 +213,8 @@ def _plan_kind(
     return _KindPlan(kind, None, direct, _pack(packed, cap))
 
 
-# (group, layout key) of the layouts verified across their group, oldest first.
-_verified: dict[tuple[object, ...], None] = {}
-_MAX_VERIFIED = 64
+# (group, layout key) of the layouts verified across their group, under the current process group.
+_verified: ScopedCache[tuple[object, ...], bool] = ScopedCache(64)
 
 
 def verify(
@@ -238,7 +238,7 @@ def verify(
             other, or the group mixes a gradient's shards).
     """
     key = (dist.group.WORLD if group is None else group, plan.key())
-    known = key in _verified
+    known = _verified.get(key) is not None
     if every_call or plan.refusal is not None or not known:
         verify_same_layout(
             plan.describe(),
@@ -251,9 +251,7 @@ def verify(
     if plan.refusal is not None:
         raise ValueError(f"{what}: {plan.refusal}")
     if not known:
-        if len(_verified) >= _MAX_VERIFIED:
-            del _verified[next(iter(_verified))]
-        _verified[key] = None
+        _verified.put(key, True)
 
 
 def average_(plan: Plan, group: ProcessGroup | None) -> None:

@@ -62,6 +62,8 @@ class Plan:
         factors: per compared gradient, ``rho * (ref - 1 / c)`` and ``rho * (ref + 1 / c) * tau``
             (the tolerance it adds), float64 on the device, shape (len(compared), 2).
         slots: per compared gradient, the sum it adds into, an index tensor on the device.
+        positions: per compared gradient, the place of its norm among the call's stacked norms,
+            an index tensor on the device (for the comparison of every call).
     """
 
     groups: list[CopyGroup | None]
@@ -69,6 +71,7 @@ class Plan:
     slot_count: int
     factors: Tensor
     slots: Tensor
+    positions: Tensor
 
 
 def plan(
@@ -76,6 +79,7 @@ def plan(
     groups: list[CopyGroup | None],
     slot_of: list[int],
     slot_count: int,
+    position_of: list[int],
     device: torch.device,
 ) -> Plan:
     """The :class:`Plan` of one layout, its constants on ``device`` in one host-to-device copy.
@@ -86,6 +90,7 @@ def plan(
         slot_of: the sum each gradient adds into (per gradient within a stage, per stage across
             pipeline stages).
         slot_count: the number of sums.
+        position_of: the place of each gradient's norm among the stacked norms of a call.
         device: where the comparison's tensors live.
     """
     compared = [i for i, group in enumerate(groups) if group is not None and group.size > 1]
@@ -97,8 +102,8 @@ def plan(
         ref = 1.0 if group.is_reference else 0.0
         coefficient = rho * (ref - 1.0 / group.size)
         scale = rho * (ref + 1.0 / group.size) * tolerance(held[index].dtype)
-        rows.append([coefficient, scale, float(slot_of[index])])
-    constants = torch.zeros(0, 3, dtype=torch.float64, device=device)
+        rows.append([coefficient, scale, float(slot_of[index]), float(position_of[index])])
+    constants = torch.zeros(0, 4, dtype=torch.float64, device=device)
     if rows:  # one copy, where some gradient has copies
         constants = torch.tensor(rows, dtype=torch.float64, device=device)
     return Plan(
@@ -107,6 +112,7 @@ def plan(
         slot_count=slot_count,
         factors=constants[:, :2],
         slots=constants[:, 2].long(),
+        positions=constants[:, 3].long(),
     )
 
 
@@ -168,32 +174,46 @@ def _patterns(device: torch.device) -> Tensor:
 
 
 def terms(plan: Plan, local: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
-    """This rank's addends of the comparison, shape (slot_count, WIDTH), and whether a
-    fingerprint was not finite (1.0, else 0.0; then the addends are zeros: NaN and inf cannot be
-    compared), both float64 on ``device``. Nothing is read on the host.
-
-    Columns: ``sum coefficient * f``, ``sum coefficient * f**2``, and the tolerances of both,
-    ``sum scale * (|x| + |f|)`` and ``sum scale * (|x| + |f|)**2``, ``|x|`` being the norm.
+    """This rank's addends of the first call's comparison (full fingerprints), shape
+    (slot_count, WIDTH), and whether a fingerprint was not finite (1.0, else 0.0; then the
+    addends are zeros: NaN and inf cannot be compared), both float64 on ``device``. Nothing is
+    read on the host.
     """
-    summed = torch.zeros(plan.slot_count, WIDTH, dtype=torch.float64, device=device)
     if not plan.compared:
+        summed = torch.zeros(plan.slot_count, WIDTH, dtype=torch.float64, device=device)
         return summed, torch.zeros((), dtype=torch.float64, device=device)
     prints = fingerprints([local[i] for i in plan.compared], device)
     nonfinite = ~torch.isfinite(prints).all()
+    summed = terms_of(plan, torch.where(nonfinite, 0.0, prints))
+    return summed, nonfinite.to(torch.float64)
+
+
+def terms_of(plan: Plan, prints: Tensor) -> Tensor:
+    """This rank's addends of the comparison of fingerprints ``prints`` (one row per compared
+    gradient, in float64: full fingerprints, or the local norms alone), shape (slot_count,
+    4 * columns). A NaN or inf fingerprint makes its slot's sums NaN or inf.
+
+    Columns: ``sum coefficient * f``, ``sum coefficient * f**2``, and the tolerances of both,
+    ``sum scale * (|x| + |f|)`` and ``sum scale * (|x| + |f|)**2``, ``|x|`` being the norm
+    (the first column).
+    """
+    columns = prints.shape[1]
+    summed = torch.zeros(plan.slot_count, 4 * columns, dtype=torch.float64, device=prints.device)
+    if not plan.compared:
+        return summed
     coefficients, scales = plan.factors[:, :1], plan.factors[:, 1:]
     bound = prints[:, :1] + prints.abs()
     addends = torch.cat(
         [coefficients * prints, coefficients * prints**2, scales * bound, scales * bound**2],
         dim=1,
     )
-    addends = torch.where(nonfinite, 0.0, addends)
-    return summed.index_add_(0, plan.slots, addends), nonfinite.to(torch.float64)
+    return summed.index_add_(0, plan.slots, addends)
 
 
 def differ(summed: Tensor) -> Tensor:
-    """Whether any sum of :func:`terms`, reduced over the world, is outside its tolerance (a NaN
-    too): a boolean scalar beside the sums, not read on the host."""
-    first, second, first_bound, second_bound = summed.split(_COLUMNS, dim=1)
+    """Whether any sum of :func:`terms_of`, reduced over the world, is outside its tolerance (a
+    NaN too): a boolean scalar beside the sums, not read on the host."""
+    first, second, first_bound, second_bound = summed.split(summed.shape[1] // 4, dim=1)
     within = (first.abs() <= first_bound).all() & (second.abs() <= second_bound).all()
     return ~within
 

@@ -25,10 +25,8 @@ one copy the first time a call asks for it (a report's grouping, a scaler's set 
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +37,7 @@ from credit.parallel import _copies, _ownership, _partial
 from credit.parallel._foreach import group_indices_by_device_and_dtype
 from credit.parallel._groups import collective_device, moves_data
 from credit.parallel._ownership import Holding, Stages
+from credit.parallel._scoped import ScopedCache
 
 # Layouts whose plans are kept (a training loop uses a few: the clip's, the report's, a norm over
 # part of the gradients).
@@ -65,7 +64,9 @@ class Order:
     groups: list[tuple[torch.device, list[int]]]
     stacked: list[int]
     device: torch.device
-    _indices: OrderedDict[Hashable, list[Tensor]] = field(default_factory=OrderedDict)
+    _indices: ScopedCache[Hashable, list[Tensor]] = field(
+        default_factory=lambda: ScopedCache(_MAX_INDICES)
+    )
 
     def positions(self, inputs: list[int]) -> Tensor:
         """The places of the norms of gradients ``inputs`` (input indices) in the stacked order,
@@ -88,8 +89,7 @@ class Order:
             packed = torch.zeros(0, dtype=torch.int64, device=self.device)
             if flat:
                 packed = torch.tensor(flat, dtype=torch.int64, device=self.device)
-            found = list(packed.split([len(positions) for positions in lists]))
-            _keep(self._indices, key, found, _MAX_INDICES)
+            found = self._indices.put(key, list(packed.split([len(p) for p in lists])))
         return found
 
 
@@ -147,32 +147,17 @@ class Plan:
         return self._weights_as[dtype]
 
 
-_T = TypeVar("_T")
-_orders: OrderedDict[Hashable, Order] = OrderedDict()
-_plans: OrderedDict[Hashable, Plan] = OrderedDict()
-
-
-def _keep(cache: OrderedDict[Hashable, _T], key: Hashable, value: _T, limit: int) -> None:
-    cache[key] = value
-    if len(cache) > limit:
-        cache.popitem(last=False)
-
-
-def _found(cache: OrderedDict[Hashable, _T], key: Hashable) -> _T | None:
-    value = cache.get(key)
-    if value is not None:
-        cache.move_to_end(key)
-    return value
+_orders: ScopedCache[Hashable, Order] = ScopedCache(_MAX_LAYOUTS)
+_plans: ScopedCache[Hashable, Plan] = ScopedCache(_MAX_LAYOUTS)
 
 
 def order_of(local: list[Tensor]) -> Order:
     """The :class:`Order` of tensors reduced on this rank alone, kept per (dtype, device) list."""
     key = tuple((t.dtype, t.device) for t in local)
-    order = _found(_orders, key)
+    order = _orders.get(key)
     if order is None:
         device = local[0].device if local else torch.device("cpu")
-        order = _order(local, device)
-        _keep(_orders, key, order, _MAX_LAYOUTS)
+        order = _orders.put(key, _order(local, device))
     return order
 
 
@@ -206,10 +191,9 @@ def plan_of(
         distinct: per gradient, the ranks along which its copies differ, or None for none.
     """
     key = (tuple(map(id, held)), at, tuple(distinct) if distinct is not None else None)
-    plan = _found(_plans, key)
+    plan = _plans.get(key)
     if plan is None:
-        plan = _plan(held, local, at, distinct)
-        _keep(_plans, key, plan, _MAX_LAYOUTS)
+        plan = _plans.put(key, _plan(held, local, at, distinct))
     return plan
 
 
@@ -321,10 +305,18 @@ def verify(
     if nonfinite_anywhere:
         return
     if differ:
-        assert plan.copies is not None
-        mine = _copies.records(plan.copies, plan.held, local, plan.at.index, label)
-        _copies.raise_mismatch(mine, plan.at.index, len(plan.held), what)
+        raise_copies_differ(plan, local, what, label)
     plan.verified = True
+
+
+def raise_copies_differ(
+    plan: Plan, local: list[Tensor], what: str, label: Callable[[int], str]
+) -> None:
+    """Describe the copies that differ and raise the same ValueError on every rank; every rank
+    must call it together (it gathers each rank's fingerprints)."""
+    assert plan.copies is not None
+    mine = _copies.records(plan.copies, plan.held, local, plan.at.index, label)
+    _copies.raise_mismatch(mine, plan.at.index, len(plan.held), what)
 
 
 def _copies_plan(plan: Plan, lowest: int) -> _copies.Plan:
@@ -337,7 +329,10 @@ def _copies_plan(plan: Plan, lowest: int) -> _copies.Plan:
         slot_of, slot_count = list(range(len(groups))), len(groups)
     else:
         slot_of, slot_count = [at.index] * len(groups), at.count
-    return _copies.plan(plan.held, groups, slot_of, slot_count, plan.order.device)
+    position_of = [0] * len(groups)
+    for position, index in enumerate(plan.order.stacked):
+        position_of[index] = position
+    return _copies.plan(plan.held, groups, slot_of, slot_count, position_of, plan.order.device)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from credit.parallel import _inputs, _norm_hooks, _norm_plan, _ownership, _partial
+from credit.parallel import _copies, _inputs, _norm_hooks, _norm_plan, _ownership, _partial
 from credit.parallel._compat import foreach_norm, local_tensor
 from credit.parallel._foreach import use_foreach
 from credit.parallel._groups import (
@@ -161,6 +161,10 @@ class Reduced:
             ``_norm_hooks.Normed``).
         host: under pipeline stages, ``entries``, the total (before its cast to the result
             dtype) and ``present``, as read on the host with the stages' decisions.
+        plan: the layout's plan, for a norm over ranks.
+        differ: whether the ranks taken for copies held different values on this call while
+            every value was finite (the total is NaN then): a boolean scalar on the device,
+            the same on every rank; None where nothing has copies or the verdict was read.
     """
 
     total: Tensor
@@ -171,6 +175,8 @@ class Reduced:
     local_norms: Tensor | None = None
     answers_world: bool = False
     host: list[float] | None = None
+    plan: Plan | None = None
+    differ: Tensor | None = None
 
     @property
     def groups(self) -> list[tuple[torch.device, list[int]]]:
@@ -202,15 +208,42 @@ def reduce(
         reduced = _local_norms(local, _norm_plan.order_of(local), request, dtype)
     else:
         plan = _planned(grads, local, request)
-        if plan.replicas:
-            dtype = request.dtype or plan.grads_dtype
-            reduced = _local_norms(local, plan.order, request, dtype)
-        elif plan.at.count == 1:
-            reduced = _single_stage(local, plan, request)
-        else:
+        if plan.at.count > 1:
             reduced = _pipeline(local, plan, request, segment_of, segment_count)
+        elif plan.replicas:
+            reduced = _replicas(local, plan, request)
+        else:
+            reduced = _single_stage(local, plan, request)
+        if reduced.differ is not None and reduced.differ.device.type == "cpu":
+            raise_if_copies_differ(reduced, request)  # reading costs no sync there
     _tell_listeners(reduced)
     return reduced
+
+
+def raise_if_copies_differ(reduced: Reduced, request: NormRequest) -> None:
+    """Read the copies' verdict of the call and raise the same ValueError on every rank, naming
+    the gradient and the ranks, when they differed. Every rank must call it together (the
+    verdict is the same on every rank); the gradients must be as the call found them.
+    """
+    if reduced.differ is not None and bool(reduced.differ):
+        assert reduced.plan is not None
+        _norm_plan.raise_copies_differ(reduced.plan, reduced.local, request.what, request.label)
+    reduced.differ = None
+
+
+def raise_if_nonfinite(reduced: Reduced, request: NormRequest) -> None:
+    """``error_if_nonfinite``: raise on every rank when the total is not finite, in one read;
+    copies that differed (their total is NaN) raise their own error (see
+    :func:`raise_if_copies_differ`). Every rank must call it together.
+    """
+    if bool(torch.isfinite(reduced.total)):
+        return
+    raise_if_copies_differ(reduced, request)
+    raise RuntimeError(
+        f"The total norm of order {request.order} for gradients from `parameters` is "
+        "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+        "by the non-finite norm anyway, set `error_if_nonfinite=False`"
+    )
 
 
 def _planned(grads: list[Tensor], local: list[Tensor], request: NormRequest) -> Plan:
@@ -297,7 +330,7 @@ def _norms_of(tensors: list[Tensor], request: NormRequest, device: torch.device)
 
 
 # ---------------------------------------------------------------------------------------------
-# a single stage: the per-gradient vector
+# a single stage: the per-gradient vector, and the copies compared on every call
 
 
 def _single_stage(local: list[Tensor], plan: Plan, request: NormRequest) -> Reduced:
@@ -306,23 +339,91 @@ def _single_stage(local: list[Tensor], plan: Plan, request: NormRequest) -> Redu
     stacked = _stacked_norms(completed, plan.order, request)
     if stacked is None:  # no gradients on any rank (the layout is shared)
         zero = torch.zeros((), dtype=result_dtype, device=plan.order.device)
-        return Reduced(zero, zero.new_zeros(0), None, local, plan.order)
+        return Reduced(zero, zero.new_zeros(0), None, local, plan.order, plan=plan)
     order = request.order
-    if order == math.inf:
+    weights = plan.weights_as(torch.promote_types(result_dtype, torch.float32))
+    differ = None
+    if order == math.inf:  # the largest copy is the largest element, copies or not
         entries = _max_over_ranks(stacked.to(result_dtype))
-    else:
-        weights = plan.weights_as(torch.promote_types(result_dtype, torch.float32))
-        # Copies weighted by fractions are summed in float32 at least; without copies the vector
-        # is reduced in torch's dtype, as torch reduces it.
-        reduce_dtype = result_dtype if weights is None else weights.dtype
-        # DTensor skips the power for p=1, and so do we, to keep its bits.
-        powered = stacked.to(reduce_dtype) ** order if order != 1 else stacked.to(reduce_dtype)
-        if weights is not None:
-            powered = powered * weights
+    elif weights is None:  # no shard has copies: torch's reduction, in torch's dtype
+        powered = _power(stacked.to(result_dtype), order)
         dist.all_reduce(powered, op=dist.ReduceOp.SUM)
-        entries = powered ** (1.0 / order) if order != 1 else powered
+        entries = _root(powered, order)
+    else:  # weighted copies summed in float64, their local norms compared alongside
+        powered = _power(stacked.to(weights.dtype), order) * weights
+        sums, compared = _reduced_with_comparison(powered, stacked, plan)
+        entries = _root(sums.to(weights.dtype), order)
     total = torch.linalg.vector_norm(entries, order).to(result_dtype)
-    return Reduced(total, entries, None, local, plan.order, local_norms=stacked, answers_world=True)
+    if weights is not None and order != math.inf:
+        differ = _verdict(compared, total)
+        total = torch.where(differ, math.nan, total)
+    return Reduced(
+        total,
+        entries,
+        None,
+        local,
+        plan.order,
+        local_norms=stacked,
+        answers_world=True,
+        plan=plan,
+        differ=differ,
+    )
+
+
+def _replicas(local: list[Tensor], plan: Plan, request: NormRequest) -> Reduced:
+    """Plain replicas (DDP): each rank's own norm, torch's bits, once the world agrees.
+
+    One all_reduce carries this rank's total (a NaN or inf on any rank makes the world's sum
+    non-finite, and every rank returns it) and the comparison of the copies' local norms; copies
+    that differ make the total NaN on every rank.
+    """
+    reduced = _local_norms(local, plan.order, request, request.dtype or plan.grads_dtype)
+    if reduced.local_norms is None:  # no gradients on any rank (the layout is shared)
+        return reduced
+    world, compared = _reduced_with_comparison(reduced.total.reshape(1), reduced.local_norms, plan)
+    differ = _verdict(compared, world[0])
+    mine = torch.where(differ, math.nan, reduced.total)
+    reduced.total = torch.where(torch.isfinite(world[0]), mine, world[0].to(mine.dtype))
+    reduced.plan, reduced.differ = plan, differ
+    return reduced
+
+
+def _reduced_with_comparison(values: Tensor, stacked: Tensor, plan: Plan) -> tuple[Tensor, Tensor]:
+    """``values`` summed over the world in float64, and the comparison's sums of the local norms
+    ``stacked`` of the copies (``_copies``), shape (slots, 4), in one all_reduce."""
+    comparison = _comparison(stacked, plan)
+    vector = torch.cat([values.to(torch.float64), comparison.flatten()])
+    dist.all_reduce(vector, op=dist.ReduceOp.SUM)
+    sums, compared = vector.split([values.numel(), comparison.numel()])
+    return sums, compared.view_as(comparison)
+
+
+def _verdict(compared: Tensor, total: Tensor) -> Tensor:
+    """Whether the copies differed (the comparison's reduced sums ``compared`` out of their
+    tolerance) while the norm ``total`` is finite: a NaN or inf leaves the sums non-finite and
+    is answered by the norm itself. False on the fake backend, which moves no data."""
+    if not moves_data():
+        return torch.zeros((), dtype=torch.bool, device=compared.device)
+    return _copies.differ(compared) & torch.isfinite(total)
+
+
+def _comparison(stacked: Tensor, plan: Plan) -> Tensor:
+    """This rank's addends of the comparison of the copies' local norms ``stacked`` (stacking
+    order), shape (slots, 4): ``_copies.terms_of`` with the norms as fingerprints."""
+    copies = plan.copies
+    assert copies is not None  # built by the layout's verification
+    norms = stacked.to(torch.float64).index_select(0, copies.positions)
+    return _copies.terms_of(copies, norms[:, None])
+
+
+def _power(norms: Tensor, order: float) -> Tensor:
+    """The p-th powers of ``norms``; DTensor skips the power for p=1, and so do we, to keep its
+    bits."""
+    return norms**order if order != 1.0 else norms
+
+
+def _root(sums: Tensor, order: float) -> Tensor:
+    return sums ** (1.0 / order) if order != 1.0 else sums
 
 
 def _max_over_ranks(norms: Tensor) -> Tensor:
@@ -363,12 +464,17 @@ def _pipeline(
     order = request.order
     values = torch.zeros(segment_count, dtype=torch.float64, device=device)
     present = torch.zeros_like(values)
+    # The p-norm compares the copies' local norms, per stage; zeros until the stage's layout is
+    # verified. The inf norm has nothing to compare: the largest copy is the largest element.
+    comparison = torch.zeros(plan.at.count, 4, dtype=torch.float64, device=device)
     local_norms = None
     if local and plan.error is None:  # a broken layout sends zeros beside its flag
         completed = _partial.complete(local, plan.held, plan.partial)
         local_norms = _stacked_norms(completed, plan.order, request)
         assert local_norms is not None
         stacked = local_norms.to(values)
+        if plan.copies is not None and order != math.inf:
+            comparison = _comparison(local_norms, plan)
         segments = _segments(plan.order, segment_of)
         present.index_fill_(0, segments, 1.0)
         if order == math.inf:
@@ -397,24 +503,31 @@ def _pipeline(
         )
         entries = torch.where(nan > 0, math.nan, values)
         total = entries.max()  # NaN if any entry is
+        differ = torch.zeros((), dtype=torch.bool, device=device)
     else:
         # The self-check's terms sum to zero over the world when every stage holds whole copies.
-        vector = torch.cat([values, present, plan.votes, plan.checks, *asked])
+        vector = torch.cat([values, present, plan.votes, plan.checks, *asked, comparison.flatten()])
         dist.all_reduce(vector, op=dist.ReduceOp.SUM)
-        values, present, tail = vector.split(
-            [segment_count] * 2 + [len(vector) - 2 * segment_count]
+        values, present, tail, summed = vector.split(
+            [segment_count] * 2
+            + [len(vector) - 2 * segment_count - comparison.numel()]
+            + [comparison.numel()]
         )
         entries = values ** (1.0 / order)
         total = values.sum() ** (1.0 / order)
+        differ = _verdict(summed.view_as(comparison), total)
     # The call's one read: the stages' decisions, and the norms (which a report reads).
-    read = torch.cat([tail, entries, total.reshape(1), present]).tolist()
-    decided, host = read[: len(tail)], read[len(tail) :]
-    votes, checks = decided[: len(RESULT_DTYPES)], decided[len(RESULT_DTYPES) : -2]
-    unverified_anywhere, unanswered_anywhere = decided[-2:]
+    read = torch.cat([tail, differ.to(tail).reshape(1), entries, total.reshape(1), present])
+    numbers = read.tolist()
+    decided, host = numbers[: len(tail) + 1], numbers[len(tail) + 1 :]
+    votes, checks = decided[: len(RESULT_DTYPES)], decided[len(RESULT_DTYPES) : -3]
+    unverified_anywhere, unanswered_anywhere, differ_anywhere = decided[-3:]
     if any(checks) and moves_data():
         _norm_plan.raise_layout_failure(plan, request.what)
     if unverified_anywhere > 0:
         _norm_plan.verify(plan, local, request.pp_group, request.what, request.label)
+    if differ_anywhere > 0:
+        _norm_plan.raise_copies_differ(plan, local, request.what, request.label)
     result_dtype = request.dtype or plan.grads_dtype
     if request.dtype is None:
         voted = [dtype for dtype, vote in zip(RESULT_DTYPES, votes, strict=True) if vote]

@@ -36,9 +36,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from credit.parallel._compat import dtensor_spec, is_shard, local_tensor
+from credit.parallel._scoped import ScopedCache
 
-# Holdings are cached per DTensor spec object (FSDP2 and TP reuse them across steps); a cache that
-# grows past this many entries is dropped and rebuilt.
+# Holdings are cached per DTensor spec object (FSDP2 and TP reuse them across steps) and per
+# layout, up to this many of each, under the process group they were read under.
 _MAX_CACHED = 1 << 16
 
 
@@ -78,7 +79,7 @@ def _stages_of(pp_ranks: tuple[int, ...] | None, world: int, rank: int) -> Stage
 
 
 # The ranks of this rank's stage, learned once per pipeline group.
-_stage_by_pp_group: dict[ProcessGroup, frozenset[int]] = {}
+_stage_by_pp_group: ScopedCache[ProcessGroup, frozenset[int]] = ScopedCache(64)
 
 
 def stage_ranks(at: Stages, pp_group: ProcessGroup | None, device: torch.device) -> frozenset[int]:
@@ -94,7 +95,7 @@ def stage_ranks(at: Stages, pp_group: ProcessGroup | None, device: torch.device)
         dist.all_reduce(stage_of, op=dist.ReduceOp.SUM)
         mine = at.index + 1
         ranks = frozenset(r for r, s in enumerate(stage_of.tolist()) if s == mine)
-        _stage_by_pp_group[pp_group] = ranks
+        _stage_by_pp_group.put(pp_group, ranks)
     return ranks
 
 
@@ -167,34 +168,25 @@ class Holding:
     replicate_slice: frozenset[int] = frozenset()
 
 
-_by_spec: dict[int, tuple[object, Holding]] = {}  # id(spec) -> (spec, holding); holds the spec
-_by_value: dict[tuple, Holding] = {}
+# id(spec) -> (spec, holding): keeping the spec alive keeps its id from being reused.
+_by_spec: ScopedCache[int, tuple[object, Holding]] = ScopedCache(_MAX_CACHED)
+_by_value: ScopedCache[tuple, Holding] = ScopedCache(_MAX_CACHED)
 
 
 def holding(grad: Tensor) -> Holding:
-    """The :class:`Holding` of ``grad`` on this rank (cached per layout)."""
+    """The :class:`Holding` of ``grad`` on this rank (cached per layout, under the current
+    process group: a group formed again may give this process another rank)."""
     if not isinstance(grad, DTensor):
         key: tuple = (grad.shape, grad.dtype, grad.device)
-        found = _by_value.get(key)
-        return found if found is not None else _remember(key, _plain_holding(grad))
+        return _by_value.get(key) or _by_value.put(key, _plain_holding(grad))
     spec = dtensor_spec(grad)
     entry = _by_spec.get(id(spec))
     if entry is not None:
         return entry[1]
     key = (spec.mesh, tuple(spec.placements), spec.shape, grad.dtype)
-    found = _by_value.get(key) or _remember(key, _dtensor_holding(grad))
-    if len(_by_spec) >= _MAX_CACHED:
-        _by_spec.clear()
-    _by_spec[id(spec)] = (spec, found)  # keeping the spec alive keeps its id from being reused
+    found = _by_value.get(key) or _by_value.put(key, _dtensor_holding(grad))
+    _by_spec.put(id(spec), (spec, found))
     return found
-
-
-def _remember(key: tuple, new: Holding) -> Holding:
-    if len(_by_value) >= _MAX_CACHED:
-        _by_value.clear()
-        _by_spec.clear()
-    _by_value[key] = new
-    return new
 
 
 def _plain_holding(grad: Tensor) -> Holding:

@@ -194,15 +194,21 @@ def total_grad_norm(
     same gradients in the same order (see ``check``). The first call for a layout verifies, in
     one more small all_reduce, that the ranks' shards add up to exactly one count of every
     element, and that the ranks taken for copies of a shard hold the same values (compared by
-    fingerprints, within a tolerance of rounding); it raises on every rank when either fails,
-    rather than average values that are not copies. A call whose gradients hold a NaN or inf
-    leaves the comparison to the next call. Later calls for that layout read nothing back to the
-    host and copy nothing from it (with ``pp_group``, one read; see the guide's "Host syncs").
+    fingerprints: the norm and four projections, within a tolerance of rounding); it raises on
+    every rank when either fails, rather than average values that are not copies. Every later
+    call compares the copies again, by their local norms, inside its one all_reduce: copies
+    that differ (another model of the same shapes, replicas that drifted) make the returned norm
+    NaN on every rank, never a number, and raise the same ``ValueError`` on every rank where the
+    call reads: at once where the collective runs on the CPU, at ``error_if_nonfinite``'s read
+    on a GPU (or with ``pp_group``, or in the check mode). The inf norm needs no comparison: the
+    largest copy is the largest element. Later calls read nothing back to the host and copy
+    nothing from it (with ``pp_group``, one read; see the guide's "Host syncs").
 
-    Plain tensors alone are replicas (DDP): once the first call has proven them equal, each rank
-    reduces them locally, exactly as torch does, with no collective. Ranks that train models of
-    their own pass ``per_rank=True`` instead. DTensors on a mesh spanning the world (FSDP2 over
-    every rank) give the same bits as torch's ``clip_grad_norm_(...).full_tensor()``.
+    Plain tensors alone are replicas (DDP): each rank returns its own norm with torch's bits,
+    after one small all_reduce that compares the copies and carries a NaN or inf on any rank to
+    every rank. Ranks that train models of their own pass ``per_rank=True`` instead. DTensors on
+    a mesh spanning the world (FSDP2 over every rank) give the same bits as torch's
+    ``clip_grad_norm_(...).full_tensor()``.
 
     A gradient refused on one rank only (left on the meta device, sparse, or of an integer dtype
     there alone) raises on that rank before any collective; outside the check mode the other
@@ -214,7 +220,8 @@ def total_grad_norm(
     Args:
         grads: tensor or iterable of gradient tensors (dense or DTensor); None entries are skipped.
         norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
-        error_if_nonfinite: raise RuntimeError (on every rank) when the total norm is nan or inf.
+        error_if_nonfinite: raise RuntimeError (on every rank) when the total norm is nan or inf,
+            or the ValueError of copies that differ.
         foreach: use the foreach kernels; None uses them where the device supports them.
         pp_group: ProcessGroup or 1D DeviceMesh of this rank's pipeline peers (one rank per
             stage). With it the norm covers every stage's gradients, at no extra collective, and
@@ -236,7 +243,8 @@ def total_grad_norm(
 
     Returns:
         The total norm as a plain scalar tensor (never a DTensor), the same on every rank (with
-        ``per_rank``, this rank's).
+        ``per_rank``, this rank's); NaN on every rank when copies differed on a GPU and nothing
+        read the verdict.
 
     Raises:
         TypeError: an entry is not a tensor, a gradient is not floating point, or ``norm_type`` is
@@ -470,16 +478,16 @@ def clip_grads_with_norm_(
     """
     params, _ = _inputs.parameter_list(parameters, warn_if_empty_generator=False)
     bound = _inputs.clip_bound(max_norm)
+    grads = [grad for p in params if (grad := p.grad) is not None]
+    if not grads:  # torch returns before it looks at total_norm
+        return
     if not isinstance(total_norm, Tensor):
         raise TypeError(
             "total_norm must be a tensor (the norm get_total_norm returns), "
             f"got {type(total_norm).__name__}"
         )
     total = _inputs.scalar_view(total_norm, "total_norm")
-    grads = [grad for p in params if (grad := p.grad) is not None]
     _inputs.check_grads(grads, "grads")
-    if not grads:
-        return
     local = [local_tensor(grad) for grad in grads]
     _scale_(local, _norm_plan.order_of(local).groups, total, bound, foreach)
 
@@ -498,12 +506,8 @@ def _total_norm(
     grads: list[Tensor], request: _norms.NormRequest, error_if_nonfinite: bool
 ) -> _norms.Reduced:
     reduced = _norms.reduce(grads, request)
-    if error_if_nonfinite and not bool(torch.isfinite(reduced.total)):
-        raise RuntimeError(
-            f"The total norm of order {request.order} for gradients from `parameters` is "
-            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
-            "by the non-finite norm anyway, set `error_if_nonfinite=False`"
-        )
+    if error_if_nonfinite:
+        _norms.raise_if_nonfinite(reduced, request)
     return reduced
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -55,6 +54,7 @@ from credit.parallel._groups import (
 )
 from credit.parallel._ownership import CopyGroup, Holding, Stages
 from credit.parallel._replica_failures import WHAT, Entry, Mismatch
+from credit.parallel._scoped import ScopedCache
 
 __all__ = ["Mismatch", "ReplicaMismatchError", "ReplicaReport", "verify_replicas"]
 
@@ -338,7 +338,8 @@ class _Plan:
     error: str | None
 
 
-_plans: OrderedDict[tuple, _Plan] = OrderedDict()
+# The plans of the layouts met under the current process group, the most recent kept.
+_plans: ScopedCache[tuple, _Plan] = ScopedCache(_MAX_PLANS)
 
 
 def _plan(
@@ -355,7 +356,6 @@ def _plan(
     key = (tuple(map(id, held)), at, tuple(marks), names, invalid)
     found = _plans.get(key)
     if found is not None:
-        _plans.move_to_end(key)
         return found
     device = collective_device([t for t in local if not t.is_meta][:1])
     stage = _ownership.stage_ranks(at, pp_group, device)
@@ -398,9 +398,7 @@ def _plan(
         device=device,
         error=error,
     )
-    _plans[key] = plan
-    if len(_plans) > _MAX_PLANS:
-        _plans.popitem(last=False)
+    _plans.put(key, plan)
     return plan
 
 
