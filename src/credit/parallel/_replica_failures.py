@@ -3,8 +3,11 @@ rank, told apart from layouts that cannot be compared, and repaired where someth
 copy is right.
 
 Only a failed proof (``replicas``) comes here. Every rank gathers what every other holds (one
-``all_gather_object``: names, layouts, digests), so every rank reaches the same verdict and raises
-the same error; or the differing copies get their source's bytes in one all_reduce. Tensors are
+``all_gather_object``: names, layouts, digests, and the arguments that must agree), so every rank
+reaches the same verdict and raises the same error; or the differing copies get their source's
+bytes in one all_reduce, all or nothing: whatever can fail is done or checked on every rank before
+that all_reduce, which carries each rank's failure flag, and nothing is written where one is set.
+Copies are read and written as their elements in row-major order, under any strides. Tensors are
 matched by name: rank-local tensors (no copies) need not line up across ranks, so optimizer state
 created lazily on some ranks only is no layout error; a copy of optimizer state that one member of
 a group lacks is a mismatch like a copy with other bits.

@@ -24,8 +24,9 @@ group, makes a missing copy (optimizer state created on some copies only) count 
 one. One all_reduce of six int64 numbers (those sums, the layout's self-check, an error count)
 proves every copy of every tensor at once. Only a failure gathers what each rank holds, to name
 the tensors and ranks, or to repair them from a copy a strict majority holds (or that the caller
-names) in one more all_reduce. The guide states what is certain and what is probable, with the
-proof.
+names) in one more all_reduce, all or nothing across ranks; that gather also proves that the
+ranks passed the same ``repair``, ``repair_from`` and ``buffers``. The guide states what is
+certain and what is probable, with the proof.
 """
 
 from __future__ import annotations
