@@ -5,14 +5,17 @@ checked to agree, at 4 real gloo ranks.
   of every kind a model or an optimizer holds (channels_last, channels_last_3d, transposed, an
   expanded buffer, views into a flat buffer at storage offsets that no 8- or 16-byte element
   would have, strided slices, 5 bools, a channels_last tensor large enough to be read in place)
-  is checked, and repaired bit for bit from a strict majority, keeping its strides.
+  is checked, and repaired bit for bit from a strict majority, keeping its strides; in one
+  process, the digests of each are those of its contiguous copy, planned for either.
 - All or nothing: rank 3 restored from the wrong checkpoint (one bit off in every parameter,
   buffer and AdamW state of a channels_last conv, a transposed parameter and a 5-bool buffer)
   is repaired on every rank; a repair that cannot be written on one rank (its copy broadcasts a
-  dim along which the source's values vary) raises the same error on every rank and leaves every
-  byte of every storage on every rank, and the optimizer's state, as they were.
-- Arguments: ``repair_from``, ``repair`` or ``buffers`` that differ across ranks raise the same
-  ValueError on every rank, naming the argument and each rank's value, with nothing modified.
+  dim along which the source's values vary, or its rows overlap in memory) raises the same error
+  on every rank and leaves every byte of every storage on every rank, and the optimizer's state,
+  as they were.
+- Arguments: ``repair_from``, ``repair`` or ``buffers`` that differ across ranks (one rank's
+  ``repair_from`` outside the world too) raise the same ValueError on every rank, naming the
+  argument and each rank's value, with nothing modified.
 
 Oracles: each rank's raw bits of every tensor in row-major order and of every byte of its
 storage, gathered from every rank and compared with ``torch.equal``; the bits before the plant;
@@ -123,7 +126,7 @@ def _outcome(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[
     return record
 
 
-# --- memory formats -----------------------------------------------------------------------------
+# --- memory formats --------------------------------------------------------------------------
 
 
 class _Cnn(nn.Module):
@@ -271,7 +274,7 @@ def test_digests_are_of_the_values_in_row_major_order_whatever_the_memory_format
     assert torch.equal(_digests.plan(tensors)(contiguous), expected)
 
 
-# --- all or nothing ---------------------------------------------------------------------------------
+# --- all or nothing --------------------------------------------------------------------------
 
 
 class _Restored(nn.Module):
@@ -364,7 +367,7 @@ def test_a_repair_that_cannot_be_written_on_one_rank_raises_on_every_rank_modify
         assert record["state"] == expected, f"rank {rank}"
 
 
-# --- arguments that must agree ----------------------------------------------------------------------
+# --- arguments that must agree --------------------------------------------------------------
 
 
 def _disagreeing(**per_rank: Any) -> dict[str, Any]:

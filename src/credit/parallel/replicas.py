@@ -124,11 +124,11 @@ def verify_replicas(
 
     The comparison is bit-exact, of each tensor's elements in row-major order whatever its memory
     format: copies with the same values compare equal however they are laid out (channels_last,
-    transposed, expanded, views into a flat buffer), and a repair keeps each copy's strides. Certain: one differing copy in a group (one flipped bit in one
-    element, or two elements of at most 4 bytes swapped, in tensors of the sizes the guide states)
-    is detected. Probable: any other difference, and differences on several copies at once (which
-    may cancel in a sum), escape with a probability of about 2^-48 or less (the guide states the
-    bounds and the proof).
+    transposed, expanded, views into a flat buffer), and a repair keeps each copy's strides.
+    Certain: one differing copy in a group (one flipped bit in one element, or two elements of at
+    most 4 bytes swapped, in tensors of the sizes the guide states) is detected. Probable: any
+    other difference, and differences on several copies at once (which may cancel in a sum),
+    escape with a probability of about 2^-48 or less (the guide states the bounds and the proof).
 
     Costs one all_reduce of six int64 numbers and about two passes over the local tensors that
     have copies (sharded tensors without copies are not read), on their device, with one host
