@@ -295,7 +295,8 @@ def test_no_culprit_named_and_no_repair_where_nothing_tells_which_copy_is_right(
         in (record["check"]["raised"])
     )
     assert records["out of the world"]["raised"] == (
-        "repair_from names ranks [4], not all in a world of 4 ranks"
+        "verify_replicas: repair_from names ranks [4], not all in a world of 4 ranks (rank 0). "
+        "Nothing was modified."
     )
 
 

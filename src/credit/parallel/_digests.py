@@ -2,7 +2,11 @@
 
 A tensor is read as a sequence of signed integer words ``x_0 .. x_{n-1}``: its raw bits 8, 16 or 32
 at a time (one word per element up to 4-byte elements, two or four per larger element; complex32,
-a 4-byte element, is one word). Its digest is four lanes, all mod 2^64::
+a 4-byte element, is one word), its elements in row-major order whatever its strides. The digest is
+of the values, not of the memory: copies with the same bits in another memory format
+(channels_last, transposed, expanded, a view into a larger buffer) have the same digest, as a
+repair writes its source's elements in that order into any strides. Its digest is four lanes, all
+mod 2^64::
 
     D0 = sum_j (2j + 1) x_j
     Dk = sum_j u_k(j // 64) a_k(j % 64) x_j        k = 1, 2, 3
@@ -37,7 +41,10 @@ bytes, the dtypes and the tensors' trailing shapes, not with the number of tenso
 tensors of one dtype are copied together a block of rows at a time (2 MiB of float64 on a CPU,
 32 MiB elsewhere), those of one trailing shape that fill whole rows joined along their first
 dimension (one ``cat``), the others flattened with their padding (one more); a tensor of at least
-4096 rows is read where it lies (its last partial row copied with the small ones); each block is
+4096 rows is read where it lies (its last partial row copied with the small ones); a
+non-contiguous tensor is first copied in row-major order (a large one whole, once per call; the
+rows joined by ``cat`` once more where their tensors share a memory format such as
+channels_last, which ``cat`` keeps), contiguous ones never; each block is
 converted to float64 while it is still in cache and multiplied; and the rows' results are
 weighted and added up per tensor (one ``index_add_`` per group). The rows read in place get their
 coefficients a block at a time, on each call (a few elementwise kernels per block), so that
@@ -240,6 +247,8 @@ class _Group:
             joined = torch.cat(
                 [tensors[item[0]] for item in chunk.items if isinstance(item, tuple)]
             )
+            if not joined.is_contiguous():  # cat keeps a memory format its tensors share
+                joined = joined.contiguous()
             return joined.view(self.word).view(-1, _ROW)
         if self.viewed:
             parts = [
@@ -412,11 +421,12 @@ def _words(tensor: Tensor) -> Tensor:
     in row-major order, the bytes of each as the device stores them, a word at a time.
 
     Viewed first as the integer type of the element's size (a view under any strides, for every
-    dtype), so that the copy a non-contiguous tensor needs is an integer copy.
+    dtype), so that the copy a non-contiguous tensor needs is an integer copy; a contiguous
+    tensor is read where it lies.
     """
     size = tensor.element_size()
     same_size = tensor.view(_INTEGERS[size]) if size in _INTEGERS else tensor
-    return same_size.reshape(-1).view(_word_dtype(tensor.dtype))
+    return same_size.contiguous().view(-1).view(_word_dtype(tensor.dtype))
 
 
 def _weights(device: torch.device) -> Tensor:

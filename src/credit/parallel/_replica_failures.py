@@ -3,8 +3,11 @@ rank, told apart from layouts that cannot be compared, and repaired where someth
 copy is right.
 
 Only a failed proof (``replicas``) comes here. Every rank gathers what every other holds (one
-``all_gather_object``: names, layouts, digests), so every rank reaches the same verdict and raises
-the same error; or the differing copies get their source's bytes in one all_reduce. Tensors are
+``all_gather_object``: names, layouts, digests, and the arguments that must agree), so every rank
+reaches the same verdict and raises the same error; or the differing copies get their source's
+bytes in one all_reduce, all or nothing: whatever can fail is done or checked on every rank before
+that all_reduce, which carries each rank's failure flag, and nothing is written where one is set.
+Copies are read and written as their elements in row-major order, under any strides. Tensors are
 matched by name: rank-local tensors (no copies) need not line up across ranks, so optimizer state
 created lazily on some ranks only is no layout error; a copy of optimizer state that one member of
 a group lacks is a mismatch like a copy with other bits.
@@ -17,7 +20,7 @@ every rank that disagrees, and a repair is refused on every rank, before anythin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -116,6 +119,7 @@ class _Record:
     like_owner: bool
     is_dtensor: bool
     shape: tuple[int, ...]
+    strides: tuple[int, ...]
     dtype: torch.dtype
     on_cpu: bool
 
@@ -132,7 +136,13 @@ class _Owner:
 
 @dataclass(frozen=True)
 class Slot:
-    """One group of copies that differ: where the repair reads and writes it."""
+    """One group of copies that differ: where the repair reads and writes it.
+
+    ``broadcast`` maps each dim along which some target's copy broadcasts (stride 0) to those
+    targets: the source's values must not vary along it. ``shared`` holds the strides of each
+    target's copy whose elements may share memory otherwise, which no write can give arbitrary
+    values.
+    """
 
     stage: int
     name: str
@@ -140,6 +150,8 @@ class Slot:
     targets: frozenset[int]  # the ranks whose copy is replaced (or created)
     template: _Record  # the source's record: how a missing copy is made
     mismatch: Mismatch
+    broadcast: dict[int, tuple[int, ...]]
+    shared: dict[int, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -155,20 +167,23 @@ def diagnose(
     digests: dict[int, list[int]],
     error: str | None,
     repair_from: tuple[int, ...],
+    arguments: Mapping[str, object],
 ) -> Failure:
-    """Gather every rank's records; raise for a layout that cannot be compared, else return the
-    groups of copies that differ, each with its source where one is known (the same on every
-    rank).
+    """Gather every rank's records and arguments; raise for arguments that differ across ranks or
+    a layout that cannot be compared, else return the groups of copies that differ, each with its
+    source where one is known (the same on every rank).
 
     Args:
         mine: what this rank holds.
         digests: the digest of each tensor with copies, by index.
         error: why this rank's layout cannot be counted, or None.
         repair_from: the ranks whose copies are right where a group has no strict majority.
+        arguments: this rank's arguments that must be the same on every rank, by name.
 
     Raises:
-        ValueError: a rank's tensors or layout cannot be compared (a meta tensor, a mesh across
-            stages, a distinct_along group that overlaps its mesh).
+        ValueError: the ranks passed different ``arguments``, or a rank's tensors or layout
+            cannot be compared (a meta tensor, a mesh across stages, a distinct_along group that
+            overlaps its mesh).
         RuntimeError: the ranks of a stage hold different parameters or buffers, a tensor's
             shards do not add up to whole copies, or the ranks disagree on the groups of copies.
     """
@@ -176,12 +191,14 @@ def diagnose(
     # Only where this rank's layout can be counted: the others raise its error below.
     owners = {name: _owner(mine, name) for name in mine.params} if error is None else {}
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (dist.get_rank(), mine.at.index, error, records, owners))
-    for rank, _, their_error, _, _ in everyone:
+    mine_all = (dist.get_rank(), mine.at.index, error, records, owners, arguments)
+    dist.all_gather_object(everyone, mine_all)
+    _refuse_different_arguments({rank: theirs for rank, *_, theirs in everyone})
+    for rank, _, their_error, *_ in everyone:
         if their_error is not None:
             raise ValueError(f"{WHAT}: {their_error} (rank {rank}). Nothing was modified.")
     by_stage: dict[int, dict[int, tuple[dict[str, _Record], dict[str, _Owner]]]] = {}
-    for rank, stage, _, theirs, their_owners in everyone:
+    for rank, stage, _, theirs, their_owners, _ in everyone:
         named = {record.name: record for record in theirs}
         by_stage.setdefault(stage, {})[rank] = (named, their_owners)
     for stage, ranks in sorted(by_stage.items()):
@@ -203,6 +220,23 @@ def diagnose(
     return Failure(slots, compared)
 
 
+def _refuse_different_arguments(ranks: dict[int, Mapping[str, object]]) -> None:
+    """Every argument that must be the same on every rank is."""
+    differing = []
+    for name in ranks[min(ranks)]:
+        values: dict[str, list[int]] = {}
+        for rank in sorted(ranks):
+            values.setdefault(repr(ranks[rank][name]), []).append(rank)
+        if len(values) > 1:
+            held = ", ".join(f"{value} on {_ranks(at)}" for value, at in values.items())
+            differing.append(f"{name}: {held}")
+    if differing:
+        raise ValueError(
+            f"{WHAT}: the ranks passed different arguments, which must be the same on every "
+            f"rank: {'; '.join(differing)}. Nothing was modified."
+        )
+
+
 def _record(mine: Held, index: int, digest: list[int] | None) -> _Record:
     entry, local, held = mine.entries[index], mine.local[index], mine.held[index]
     group = mine.groups[index]
@@ -222,6 +256,7 @@ def _record(mine: Held, index: int, digest: list[int] | None) -> _Record:
         like_owner=like_owner,
         is_dtensor=isinstance(entry.tensor, DTensor),
         shape=tuple(local.shape),
+        strides=tuple(local.stride()),
         dtype=local.dtype,
         on_cpu=local.device.type == "cpu",
     )
@@ -403,6 +438,14 @@ def _decide(
         ranks = tuple(r for r in everyone if r in missing or records[r].digest != digest)
         targets = frozenset(ranks)
     template = records[source] if source is not None else members[0][1]
+    broadcast: dict[int, tuple[int, ...]] = {}
+    shared: dict[int, tuple[int, ...]] = {}
+    for rank in sorted(targets - set(missing)):
+        record = records[rank]
+        for dim in _broadcast_dims(record.shape, record.strides):
+            broadcast[dim] = (*broadcast.get(dim, ()), rank)
+        if _may_share_memory(record.shape, record.strides):
+            shared[rank] = record.strides
     mismatch = Mismatch(
         name=template.name,
         reference=source,
@@ -411,7 +454,31 @@ def _decide(
         copies=tuple(tuple(held) for held in copies),
         missing=tuple(missing),
     )
-    return Slot(stage, template.name, template.nbytes, targets, template, mismatch)
+    return Slot(
+        stage, template.name, template.nbytes, targets, template, mismatch, broadcast, shared
+    )
+
+
+def _broadcast_dims(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    """The dims along which a tensor repeats one element (stride 0, an expanded tensor)."""
+    return tuple(
+        d
+        for d, (size, stride) in enumerate(zip(shape, strides, strict=True))
+        if not stride and size > 1
+    )
+
+
+def _may_share_memory(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether elements of a tensor may share memory other than along its broadcast dims: unless
+    each stride, in increasing order, reaches past every element the smaller ones address."""
+    reach = 0
+    for stride, size in sorted(
+        (st, n) for n, st in zip(shape, strides, strict=True) if st and n > 1
+    ):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def repair(
@@ -419,66 +486,153 @@ def repair(
     mine: Held,
     states: MutableMapping[Tensor, dict],
     device: torch.device,
-) -> None:
-    """Each group's source copy over its other copies, in one all_reduce of their bytes: the
-    source sends its bytes, every other rank zeros. A missing copy of optimizer state is created
-    first (like its parameter, a DTensor for a DTensor parameter, or as a plain tensor like the
+) -> str | None:
+    """Each group's source copy over its other copies, all or nothing, in one all_reduce of their
+    bytes: the source sends them, every other rank zeros. A missing copy of optimizer state is
+    created (like its parameter, a DTensor for a DTensor parameter, or as a plain tensor like the
     source's) and put into the optimizer's state.
+
+    Whatever can fail comes before any write: the copies that cannot take arbitrary bits (from
+    every rank's records), then on each rank its sources' bytes and the new state tensors. The
+    all_reduce carries each rank's failure flag beside the bytes; where any is set, the ranks
+    gather why (one ``all_gather_object``) and none writes.
 
     Args:
         slots: the groups of copies that differ, each with a source: the same list on every rank.
         mine: what this rank holds.
         states: the optimizer's ``state`` (where missing copies are put).
         device: where the collective's buffer lives.
+
+    Returns:
+        Why the repair cannot be done, the same on every rank, nothing modified; or None, every
+        copy then holding its source's bits.
     """
+    refused = [why for slot in slots if (why := _unwritable(slot)) is not None]
+    if refused:
+        return _cannot(refused, slots)
     offsets = [0]
-    for slot in slots:
-        offsets.append(offsets[-1] + slot.nbytes)
-    buffer = torch.zeros(offsets[-1], dtype=torch.uint8, device=device)
+    for slot in slots:  # 16-byte aligned, so that each slot can be viewed as its dtype
+        offsets.append(offsets[-1] + -(-slot.nbytes // 16) * 16)
+    buffer = torch.zeros(offsets[-1] // 8 + 1, dtype=torch.int64, device=device)
+    data = buffer[:-1].view(torch.uint8)
+    writes, problem = _prepare(slots, offsets, mine, data)
+    if problem is not None:
+        buffer[-1] = 1
+    dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+    if bool(buffer[-1]):
+        problems: list = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        return _cannot([why for why in problems if why is not None], slots)
+    for slot, start, target, new in writes:
+        if new is not None:
+            states.setdefault(mine.params[slot.template.owner], {})[slot.template.state_key] = new
+        _write(target, data[start : start + slot.nbytes].to(target.device))
+    return None
+
+
+_Write = tuple[Slot, int, Tensor, Tensor | None]  # slot, offset, local target, state to put
+
+
+def _prepare(
+    slots: list[Slot], offsets: list[int], mine: Held, data: Tensor
+) -> tuple[list[_Write], str | None]:
+    """This rank's part of a repair, modifying nothing: its sources' bytes in ``data``, and its
+    targets (with the state tensors to put into the optimizer); or why it cannot do its part."""
     rank, stage = dist.get_rank(), mine.at.index
     index = {entry.name: i for i, entry in enumerate(mine.entries)}
-    for slot, start in zip(slots, offsets, strict=False):
-        if slot.stage == stage and slot.mismatch.reference == rank:
-            source = _bytes(mine.local[index[slot.name]])
-            buffer[start : start + slot.nbytes] = source.to(device)
-    dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-    for slot, start in zip(slots, offsets, strict=False):
-        if slot.stage != stage or rank not in slot.targets:
-            continue
-        if rank in slot.mismatch.missing:
-            target = _create(slot.template, mine.params[slot.template.owner], states)
-        else:
-            target = mine.local[index[slot.name]]
-        _write(target, buffer[start : start + slot.nbytes].to(target.device))
+    writes: list[_Write] = []
+    try:
+        for slot, start in zip(slots, offsets, strict=False):
+            if slot.stage != stage:
+                continue
+            if slot.mismatch.reference == rank:
+                source = mine.local[index[slot.name]]
+                varies = _varies(source, slot)
+                if varies is not None:
+                    return [], varies
+                data[start : start + slot.nbytes] = _bytes(source).to(data.device)
+            elif rank in slot.targets and rank in slot.mismatch.missing:
+                new = _new_state(slot.template, mine.params[slot.template.owner])
+                writes.append((slot, start, local_tensor(new), new))
+            elif rank in slot.targets:
+                writes.append((slot, start, mine.local[index[slot.name]], None))
+    except Exception as error:  # raised on this rank only: every rank must hear of it
+        return [], f"rank {rank} failed: {type(error).__name__}: {error}"
+    return writes, None
 
 
-def _create(template: _Record, param: Tensor, states: MutableMapping[Tensor, dict]) -> Tensor:
-    """A new state tensor for ``param`` shaped as ``template`` says, put into ``states``; its
-    local tensor."""
+def _unwritable(slot: Slot) -> str | None:
+    """Why a target of ``slot`` cannot take its source's bits whatever they are, or None."""
+    if not slot.shared:
+        return None
+    rank, strides = next(iter(slot.shared.items()))
+    return (
+        f"{_whose(tuple(slot.shared))} of {slot.name} may hold elements that share memory "
+        f"(rank {rank}'s strides: {strides}), so it cannot take its source's bits element by "
+        "element"
+    )
+
+
+def _varies(source: Tensor, slot: Slot) -> str | None:
+    """Why ``source`` cannot be written into the targets of ``slot`` that broadcast some dims (its
+    values vary along one), or None."""
+    words = _integers(source)
+    for dim, ranks in sorted(slot.broadcast.items()):
+        if not torch.equal(words, words.narrow(dim, 0, 1).expand_as(words)):
+            verb = "broadcasts" if len(ranks) == 1 else "broadcast"
+            return (
+                f"rank {slot.mismatch.reference}'s copy of {slot.name} (the source) varies along "
+                f"dim {dim}, which {_whose(ranks)} {verb} (stride 0): it cannot hold those values"
+            )
+    return None
+
+
+def _whose(ranks: tuple[int, ...]) -> str:
+    return f"rank {ranks[0]}'s copy" if len(ranks) == 1 else f"the copies of {_ranks(ranks)}"
+
+
+def _cannot(problems: list[str], slots: list[Slot]) -> str:
+    """The error of a repair that cannot be done."""
+    return (
+        f"{WHAT}: cannot repair the copies that differ: {'; '.join(problems)}. Nothing was "
+        f"modified: {listed(slot.mismatch for slot in slots)}. Reload the last checkpoint on "
+        f"every rank. {_CAUSES}"
+    )
+
+
+def _new_state(template: _Record, param: Tensor) -> Tensor:
+    """A new state tensor for ``param`` shaped as ``template`` says."""
     if template.like_owner:
-        new = torch.empty_like(param.detach(), dtype=template.dtype)
-    else:
-        device = torch.device("cpu") if template.on_cpu else local_tensor(param).device
-        new = torch.empty(template.shape, dtype=template.dtype, device=device)
-    states.setdefault(param, {})[template.state_key] = new
-    return local_tensor(new)
+        return torch.empty_like(param.detach(), dtype=template.dtype)
+    device = torch.device("cpu") if template.on_cpu else local_tensor(param).device
+    return torch.empty(template.shape, dtype=template.dtype, device=device)
+
+
+_INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _integers(tensor: Tensor) -> Tensor:
+    """The elements of ``tensor`` as integers of their size, bit for bit: a view under any
+    strides, for every dtype (a 16-byte complex128 as two int64s along a last dim). Copies of
+    integers keep every bit, where a bool copy would not."""
+    if tensor.element_size() == 16:
+        return torch.view_as_real(tensor).view(torch.int64)
+    return tensor.view(_INTEGERS[tensor.element_size()])
 
 
 def _bytes(tensor: Tensor) -> Tensor:
-    """The raw bytes of ``tensor``, flat (a view where ``tensor`` is contiguous)."""
-    flat = tensor.reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    return flat.view(torch.uint8)
+    """The raw bytes of ``tensor``'s elements in row-major order, flat (a view where ``tensor``
+    is contiguous)."""
+    return _integers(tensor).contiguous().view(-1).view(torch.uint8)
 
 
 def _write(target: Tensor, data: Tensor) -> None:
-    """``data`` (raw bytes) into ``target``, byte for byte: through a view of its bytes, which
-    every dtype has (the sub-byte kinds have no copy kernel of their own)."""
-    if target.is_contiguous():
-        _bytes(target).copy_(data)
-    else:
-        target.copy_(data.view(target.dtype).view(target.shape))
+    """``data`` (raw bytes in row-major order, at an offset aligned to 16 bytes) into
+    ``target``, bit for bit, under any strides: along a dim that ``target`` broadcasts, the
+    element it holds once (``data`` does not vary along it)."""
+    words = _integers(target)
+    once = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in words.stride())
+    words[once].copy_(data.view(words.dtype).view(words.shape)[once])
 
 
 # ---------------------------------------------------------------------------------------------

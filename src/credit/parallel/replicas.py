@@ -24,8 +24,9 @@ group, makes a missing copy (optimizer state created on some copies only) count 
 one. One all_reduce of six int64 numbers (those sums, the layout's self-check, an error count)
 proves every copy of every tensor at once. Only a failure gathers what each rank holds, to name
 the tensors and ranks, or to repair them from a copy a strict majority holds (or that the caller
-names) in one more all_reduce. The guide states what is certain and what is probable, with the
-proof.
+names) in one more all_reduce, all or nothing across ranks; that gather also proves that the
+ranks passed the same ``repair``, ``repair_from`` and ``buffers``. The guide states what is
+certain and what is probable, with the proof.
 """
 
 from __future__ import annotations
@@ -121,16 +122,19 @@ def verify_replicas(
     are matched by name: state without copies may exist on some ranks only (an idle expert's),
     while a copy of state that some members of its group lack is a mismatch.
 
-    The comparison is bit-exact. Certain: one differing copy in a group (one flipped bit in one
-    element, or two elements of at most 4 bytes swapped, in tensors of the sizes the guide states)
-    is detected. Probable: any other difference, and differences on several copies at once (which
-    may cancel in a sum), escape with a probability of about 2^-48 or less (the guide states the
-    bounds and the proof).
+    The comparison is bit-exact, of each tensor's elements in row-major order whatever its memory
+    format: copies with the same values compare equal however they are laid out (channels_last,
+    transposed, expanded, views into a flat buffer), and a repair keeps each copy's strides.
+    Certain: one differing copy in a group (one flipped bit in one element, or two elements of at
+    most 4 bytes swapped, in tensors of the sizes the guide states) is detected. Probable: any
+    other difference, and differences on several copies at once (which may cancel in a sum),
+    escape with a probability of about 2^-48 or less (the guide states the bounds and the proof).
 
     Costs one all_reduce of six int64 numbers and about two passes over the local tensors that
     have copies (sharded tensors without copies are not read), on their device, with one host
     sync for the verdict; under ``pp_group`` the first call also learns the ranks of its stage
-    (one more all_reduce, once). Call it on every rank, between optimizer steps.
+    (one more all_reduce, once). Call it on every rank, between optimizer steps, with the same
+    ``repair``, ``repair_from`` and ``buffers`` (a failure checks that they agree).
 
     Args:
         model: the model (FSDP2, DDP, TP or plain, or these compiled); its parameters and buffers
@@ -149,7 +153,8 @@ def verify_replicas(
         repair: instead of raising, copy over the copies that differ (and create the missing
             copies of optimizer state) the copy a strict majority of their group holds; where
             no strict majority exists, the copy of the first rank of ``repair_from`` in the group.
-            One more all_reduce, of those tensors only. The report lists them.
+            One more all_reduce, of those tensors only. All or nothing: every copy is repaired
+            on every rank, or none is and every rank raises. The report lists them.
         repair_from: with ``repair``, the ranks whose copies are right where a group has no
             strict majority (two copies, two against two), for instance the ranks that just
             reloaded a checkpoint. A group with neither is not repaired: nothing tells which copy
@@ -161,14 +166,17 @@ def verify_replicas(
     Raises:
         TypeError: ``model`` is not a module, ``optimizer`` not an optimizer, or ``repair_from``
             not a rank or ranks.
-        ValueError: ``repair_from`` without ``repair``, or naming no rank of the world (before
-            any collective); a tensor is sparse, quantized or on the meta device (on any rank),
-            or a mesh, ``pp_group`` or ``distinct_along`` group does not fit the others (raised on
+        ValueError: ``repair_from`` without ``repair``, or naming no rank (before any
+            collective); ``repair_from`` naming ranks outside the world, ``repair``,
+            ``repair_from`` or ``buffers`` different across ranks (naming each rank's value), a
+            tensor sparse, quantized or on the meta device (on any rank), or a mesh,
+            ``pp_group`` or ``distinct_along`` group that does not fit the others (raised on
             every rank).
         ReplicaMismatchError: copies differ (and ``repair`` is off), or ``repair`` found a group
-            of copies that differ and nothing that tells which is right; raised on every rank
-            with the same message, naming each differing tensor and its ranks. Nothing is
-            modified.
+            of copies that differ and nothing that tells which is right, or a copy that cannot
+            take its source's bits (a copy that broadcasts a dim along which its source varies,
+            or whose elements share memory); raised on every rank with the same message, naming
+            each differing tensor and its ranks. Nothing is modified.
         RuntimeError: the ranks of a stage hold different parameters or buffers, or a tensor's
             copies do not add up to whole copies on every rank (raised on every rank).
     """
@@ -183,8 +191,10 @@ def verify_replicas(
     entries, params = _entries(model, optimizer, with_buffers)
     if not is_distributed() or dist.get_world_size() == 1:
         return ReplicaReport(len(entries), 0, 0, with_buffers)
+    # Raised on every rank through the error count: another rank may name ranks of the world.
+    outside = None
     if any(rank >= dist.get_world_size() for rank in sources):
-        raise ValueError(
+        outside = (
             f"repair_from names ranks {list(sources)}, not all in a world of "
             f"{dist.get_world_size()} ranks"
         )
@@ -197,6 +207,8 @@ def verify_replicas(
     local = [local_tensor(entry.tensor) for entry in entries]
     plan = _plan(entries, local, distinct, pp, _invalid(entries, local))
     vector = plan.constant.clone()
+    if outside is not None:
+        vector[-1] += 1
     prints = None
     if plan.compared:
         prints = plan.digests([local[i] for i in plan.compared])
@@ -218,7 +230,13 @@ def verify_replicas(
         param_marks=dict(zip(params, param_marks, strict=True)),
     )
     digests = dict(zip(plan.compared, prints.tolist(), strict=True)) if prints is not None else {}
-    failure = _replica_failures.diagnose(mine, digests, plan.error, sources)
+    arguments = {
+        "repair": repair,
+        "repair_from": list(sources) if sources else None,
+        "buffers": with_buffers,
+    }
+    error = outside if outside is not None else plan.error
+    failure = _replica_failures.diagnose(mine, digests, error, sources, arguments)
     mismatches = tuple(slot.mismatch for slot in failure.slots)
     if not repair:
         buffer_names = {name for name, _ in model.named_buffers()} if with_buffers else set()
@@ -227,7 +245,9 @@ def verify_replicas(
     if any(m.reference is None for m in mismatches):
         raise ReplicaMismatchError(_replica_failures.refusal(mismatches, sources), mismatches)
     states = optimizer.state if optimizer is not None else {}
-    _replica_failures.repair(failure.slots, mine, states, plan.device)
+    unrepaired = _replica_failures.repair(failure.slots, mine, states, plan.device)
+    if unrepaired is not None:
+        raise ReplicaMismatchError(unrepaired, mismatches)
     if dist.get_rank() == 0:
         logger.warning("%s repaired %s", WHAT, _replica_failures.listed(mismatches))
     return ReplicaReport(
