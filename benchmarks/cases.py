@@ -148,6 +148,11 @@ KERNELS = Way(
 OURS_NORM = Way(
     "ours_norm", "ours (total_grad_norm)", lambda w: functools.partial(total_grad_norm, w.grads)
 )
+OURS_NORM_CHECKED = Way(
+    "ours_norm_check",
+    "ours (total_grad_norm), check mode",
+    lambda w: functools.partial(total_grad_norm, w.grads, check=True),
+)
 TORCH_NORM = Way(
     "torch_norm",
     "torch.nn.utils.get_total_norm + full_tensor()",
@@ -275,9 +280,18 @@ CASES: tuple[Case, ...] = (
         "mixed",
         "clip on FSDP2 + TP",
         workloads.mixed,
-        (OURS_CLIP, CLIP_PER_GROUP, OURS_NORM, NORM_PER_GROUP),
-        ratios=(Ratio(OURS_CLIP, CLIP_PER_GROUP), Ratio(OURS_NORM, NORM_PER_GROUP)),
-        counts=(Count(OURS_NORM, 1), Count(OURS_CLIP, 1), Count(NORM_PER_GROUP, None)),
+        (OURS_CLIP, CLIP_PER_GROUP, OURS_NORM, NORM_PER_GROUP, OURS_NORM_CHECKED),
+        ratios=(
+            Ratio(OURS_CLIP, CLIP_PER_GROUP),
+            Ratio(OURS_NORM, NORM_PER_GROUP),
+            Ratio(OURS_NORM_CHECKED, OURS_NORM),
+        ),
+        counts=(
+            Count(OURS_NORM, 1),
+            Count(OURS_CLIP, 1),
+            Count(NORM_PER_GROUP, None),
+            Count(OURS_NORM_CHECKED, 4),
+        ),
         even_world=True,
     ),
     *(

@@ -199,11 +199,17 @@ def _with_grads(model: nn.Module) -> list[Tensor]:
     return [param for param in model.parameters() if param.grad is not None]
 
 
+def _to_clip(ctx: Context, layout: str, seed: int) -> tuple[list[Tensor], list[Tensor], float]:
+    """The layouts' model built as ``layout`` with gradients in place, and a max_norm of half
+    their norm (so that the clip scales)."""
+    params = _with_grads(layouts.build(layout, seed, **MODEL, device=ctx.device.type).model)
+    grads = _grads(params)
+    return params, grads, 0.5 * float(total_grad_norm(grads))
+
+
 def clip(ctx: Context) -> Workload:
     """An FSDP2 model over every rank: every grad on one 1D mesh; torch's clip works."""
-    params = _with_grads(layouts.build("fsdp", 5, **MODEL, device=ctx.device.type).model)
-    grads = _grads(params)
-    max_norm = 0.5 * float(total_grad_norm(grads))
+    params, grads, max_norm = _to_clip(ctx, "fsdp", 5)
     return Workload(
         f"clip on one mesh: {len(params)} FSDP2 grads (dp={ctx.world})",
         grads,
@@ -221,9 +227,7 @@ def clip(ctx: Context) -> Workload:
 def ddp(ctx: Context) -> Workload:
     """Plain replicas on every rank (DDP's layout): torch's clip issues no collective, ours one
     small all_reduce that compares the copies and carries a NaN or inf from any of them."""
-    params = _with_grads(layouts.build("plain", 7, **MODEL, device=ctx.device.type).model)
-    grads = _grads(params)
-    max_norm = 0.5 * float(total_grad_norm(grads))
+    params, grads, max_norm = _to_clip(ctx, "plain", 7)
     return Workload(
         f"clip on DDP's layout: {len(params)} plain grads, copies on every rank ({ctx.world} "
         "ranks)",
@@ -242,9 +246,7 @@ def ddp(ctx: Context) -> Workload:
 
 def mixed(ctx: Context) -> Workload:
     """FSDP2 + TP: grads on a 1D and a 2D mesh, where torch's clip raises."""
-    params = _with_grads(layouts.build("fsdp_tp", 6, **MODEL, device=ctx.device.type).model)
-    grads = _grads(params)
-    max_norm = 0.5 * float(total_grad_norm(grads))
+    params, grads, max_norm = _to_clip(ctx, "fsdp_tp", 6)
     return Workload(
         f"clip on FSDP2 (dp={ctx.world // 2}) + TP (tp=2): {len(params)} grads on a 1D and a "
         "2D mesh",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -295,3 +296,40 @@ def test_a_group_formed_again_in_process_starts_from_nothing_proven():
     for _, replicas in results[1:]:
         assert replicas is not None and replicas[0] == ReplicaMismatchError.__name__, replicas
     assert len({r[1] for r in results[1:]}) == 1, "the replica check raised alike on every rank"
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU the verdict stays on the device: a NaN norm without a sync, the error where it reads
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)"
+)
+
+
+def _verdict_on_the_device() -> list:
+    torch.cuda.set_device(0)  # the ranks share one GPU
+    teacher, student = _linear(0).cuda(), _linear(100 + dist.get_rank()).cuda()
+    total_grad_norm(_grads(teacher))  # proves the layout of both
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            norm = total_grad_norm(_grads(student))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    before = _snapshot(_grads(student))
+    raised = _error_of(
+        lambda: clip_grad_norm_(student.named_parameters(), 1.0, error_if_nonfinite=True)
+    )
+    return [syncs, math.isnan(norm.item()), raised, _unchanged(_grads(student), before)]
+
+
+@needs_cuda
+def test_on_a_gpu_copies_that_differ_give_nan_without_a_sync_and_raise_where_it_reads(ranks):
+    results = ranks.run(2, _verdict_on_the_device)
+    assert all(r[0] == [] for r in results), [r[0] for r in results]
+    assert all(r[1] for r in results), "the norm is NaN on every rank"
+    _refused_everywhere([r[2] for r in results], "weight")
+    assert all(r[3] for r in results), "no gradient changed on any rank"

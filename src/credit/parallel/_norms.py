@@ -12,11 +12,19 @@ layout's first call; a call then runs straight through :func:`reduce`:
 3. Within a single stage every rank holds the same gradients, so the all_reduce completes the vector
    of per-gradient p-th powers (MAX for inf) and the norm of that vector is the total: torch's
    operations in torch's order, so a layout without copies (FSDP2 over the whole world) gives
-   torch's bits. Nothing is read on the host and nothing is copied to the device.
+   torch's bits. Where shards have copies, the same all_reduce (in float64) carries the
+   comparison of the copies' local norms (``_copies``): tensors of a proven shape that are not
+   copies make the total NaN on every rank, never a number. Plain replicas (DDP) keep each
+   rank's own norm, torch's bits, and send their total beside the comparison, so a NaN or inf
+   on any rank reaches every rank. Nothing is read on a GPU and nothing is copied to it.
 4. Pipeline stages hold different gradients, so each rank sends one float64 number per segment
    (the whole norm, or one per report group) and, in the same all_reduce, what the stages decide
-   together; those few numbers are read on the host once per call (see :func:`_pipeline`).
-5. Listeners (``_norm_hooks``) read every norm's result, the GradScaler's flags among them; they
+   together and the comparison; those few numbers are read on the host once per call (see
+   :func:`_pipeline`).
+5. The copies' verdict is read where reading is free (the collective on the CPU) or already paid
+   for (``error_if_nonfinite``, pipeline stages): copies that differ raise the same ValueError on
+   every rank, before any gradient changes.
+6. Listeners (``_norm_hooks``) read every norm's result, the GradScaler's flags among them; they
    never change what the norm computes.
 
 Every rank issues the same collectives, decided by the world, ``pp_group`` and the layout that all
@@ -199,7 +207,8 @@ def reduce(
         segment_count: the number of segments, the same on every rank.
 
     Raises:
-        ValueError: the gradients' layout cannot be reduced (raised on every rank).
+        ValueError: the gradients' layout cannot be reduced, or copies differ where the verdict
+            is read (raised on every rank).
         RuntimeError: the self-check or the check mode failed (raised on every rank).
     """
     local = [local_tensor(g) for g in grads]

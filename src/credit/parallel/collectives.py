@@ -394,7 +394,8 @@ def clip_grad_norm_(
             flip their signs.
         norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
         error_if_nonfinite: raise RuntimeError, leaving every gradient unmodified, when the total
-            norm is nan or inf. The norm is the same on every rank, so every rank raises.
+            norm is nan or inf (or the ValueError of copies that differ, see
+            :func:`total_grad_norm`). The norm is the same on every rank, so every rank raises.
         foreach: use the foreach kernels; None uses them where the device supports them.
         pp_group: pipeline group, see :func:`total_grad_norm`.
         distinct_along: ``(parameters, group)`` pairs, see :func:`total_grad_norm`.

@@ -9,6 +9,7 @@ group. Either way one all_reduce gives every group's norm and the total on every
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -125,6 +126,8 @@ def grad_norm_report(
     if reduced.host is None:  # one stage: group the per-gradient norms
         norms, present = _group_norms(reduced, segment_of, count, order)
         values = torch.cat([norms.to(total), total.reshape(1)]).tolist()  # the one read
+        if not math.isfinite(values[-1]):  # copies that differ leave a NaN total
+            _norms.raise_if_copies_differ(reduced, request)
     else:  # stages: each group's norm and the total came back with the norm's own read
         norms_and_total = torch.tensor(reduced.host[: count + 1], dtype=torch.float64)
         values = norms_and_total.to(total.dtype).tolist()
