@@ -5,7 +5,9 @@ The norm weights each shard by one over its number of copies, read from rank map
 place: experts kept per expert-parallel rank, pipeline stages passed without ``pp_group``, ranks
 that train independent models. Averaged as copies, their values would give a wrong norm, the
 same on every rank. So the first call for a layout (and every call in check mode) compares the
-copies by value, in the all_reduce that verifies the layout.
+copies by value, in the all_reduce that verifies the layout; every later call compares them
+again with the local norms alone as fingerprints (:func:`terms_of`), in the norm's own
+all_reduce, since the tensors of a later call may be others of the same shapes.
 
 Each rank takes a fingerprint of each local shard ``x`` (in float64): its L2 norm and
 ``_PROJECTIONS`` random projections on +-1 patterns. Copies with the same values have the same

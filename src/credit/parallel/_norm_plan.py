@@ -104,7 +104,8 @@ class Plan:
         at: the pipeline stages.
         distinct: per gradient, the ranks along which its copies differ, or None.
         grads_dtype: the promotion of the gradients' dtypes, as torch's stacked norm has it.
-        replicas: plain replicas within one stage (DDP): once proven, each rank's norm is the norm.
+        replicas: plain replicas within one stage (DDP): each rank's own norm is the norm, once
+            the world agrees (``_norms``).
         error: why the layout cannot be reduced (raised on every rank), or None.
         coverage: this rank's terms of the self-check, per gradient (``_ownership.coverage``).
         partial: the Partial gradients completed together (``_partial.batches``).
