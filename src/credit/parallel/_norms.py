@@ -351,7 +351,7 @@ def _single_stage(local: list[Tensor], plan: Plan, request: NormRequest) -> Redu
         return Reduced(zero, zero.new_zeros(0), None, local, plan.order, plan=plan)
     order = request.order
     weights = plan.weights_as(torch.promote_types(result_dtype, torch.float32))
-    differ = None
+    compared = None
     if order == math.inf:  # the largest copy is the largest element, copies or not
         entries = _max_over_ranks(stacked.to(result_dtype))
     elif weights is None:  # no shard has copies: torch's reduction, in torch's dtype
@@ -363,8 +363,8 @@ def _single_stage(local: list[Tensor], plan: Plan, request: NormRequest) -> Redu
         sums, compared = _reduced_with_comparison(powered, stacked, plan)
         entries = _root(sums.to(weights.dtype), order)
     total = torch.linalg.vector_norm(entries, order).to(result_dtype)
-    if weights is not None and order != math.inf:
-        differ = _verdict(compared, total)
+    differ = None if compared is None else _verdict(compared, total)
+    if differ is not None:
         total = torch.where(differ, math.nan, total)
     return Reduced(
         total,
