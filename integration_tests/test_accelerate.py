@@ -1,7 +1,8 @@
 """accelerate 1.15 on 4 CPU ranks: the hand-built route (a (dp, tp) mesh, TP and FSDP2 applied by
 hand, only the optimizer prepared), ``Accelerator.clip_grad_norm_`` beside this package's clip
 through ``credit.parallel.integrations.accelerate.clip_grad_norm_``, and this package's
-GradScaler as ``accelerator.scaler``, stepped by accelerate's prepared optimizer.
+GradScaler as ``accelerator.scaler`` (scaling, or skipping non-finite bf16 steps), stepped by
+accelerate's prepared optimizer.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -43,13 +45,13 @@ PLANTED_STEP = 1
 PLANTED_RANK = 3
 
 
-def _setup() -> tuple[Any, Net, int]:
-    """The recipe: a hand-built (dp, tp) mesh, TP and FSDP2 by hand, only the optimizer
-    prepared. The accelerator, the model, the prepared optimizer and this rank's dp rank."""
+def _setup(mixed_precision: str = "no") -> tuple[Any, Net, int]:
+    """The recipe: a hand-built (dp, tp) mesh, TP and FSDP2 by hand, only the optimizer to be
+    prepared. The accelerator, the model and this rank's dp rank."""
     start_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     net = parallelize(Net(), mesh["dp"], mesh["tp"])
-    accelerator = accelerate.Accelerator(cpu=True)
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision)
     return accelerator, net, mesh["dp"].get_local_rank()
 
 
@@ -141,13 +143,18 @@ def test_accelerate_clip_differs_across_ep_ranks_on_rank_local_experts_ours_does
         assert not any(math.isclose(norm, oracle, rel_tol=1e-3) for norm in theirs)
 
 
-def _planted() -> list[dict[str, Any]]:
-    accelerator, net, dp_rank = _setup()
-    accelerator.scaler = GradScaler("cpu", init_scale=1024.0)  # before prepare(optimizer)
+def _planted(scaling: bool) -> list[dict[str, Any]]:
+    """fp16's loss scaling (accelerate's CPU runs take no "fp16", so the scaler scales a float32
+    loss), or bf16 autocast with a scaler that only skips non-finite steps."""
+    accelerator, net, dp_rank = _setup("no" if scaling else "bf16")
+    # Before prepare(optimizer), which hands the scaler to the prepared optimizer.
+    accelerator.scaler = GradScaler("cpu", init_scale=1024.0, scaling=scaling)
     optimizer = accelerator.prepare(torch.optim.AdamW(net.parameters(), lr=1e-2))
     steps = []
     for step, (x, y) in enumerate(batches(STEPS, dp_rank)):
-        accelerator.backward(F.mse_loss(net(x), y))
+        with accelerator.autocast():
+            loss = F.mse_loss(net(x), y)
+        accelerator.backward(loss)
         if step == PLANTED_STEP and dist.get_rank() == PLANTED_RANK:
             plant_inf(net.fc1.weight)
         scaled = materialised_norm(net.parameters())
@@ -169,19 +176,22 @@ def _planted() -> list[dict[str, Any]]:
     return steps
 
 
-def test_accelerate_prepared_optimizer_skips_a_planted_inf_on_every_rank():
+@pytest.mark.parametrize("scaling", [True, False], ids=["fp16-scaling", "bf16"])
+def test_accelerate_prepared_optimizer_skips_a_planted_inf_on_every_rank(scaling):
     """An inf in rank 3's TP shard: the adapter unscales through accelerator.scaler and clips,
     accelerate's prepared optimizer steps through the scaler: every rank reports
-    step_was_skipped, halves the scale and leaves its weights as they were."""
-    runs = run_ranks(_planted)
+    step_was_skipped and leaves its weights as they were, and a scaling scaler halves its scale
+    on every rank; every other step clips and steps."""
+    runs = run_ranks(_planted, scaling)
+    first, backed_off = (1024.0, 512.0) if scaling else (1.0, 1.0)
     for step in range(STEPS):
         skipped = same_on_every_rank([run[step]["skipped"] for run in runs])
         scale = same_on_every_rank([run[step]["scale"] for run in runs])
         norm = float.fromhex(same_on_every_rank([run[step]["norm"] for run in runs]))
         moved = [run[step]["moved"] for run in runs]
         if step == PLANTED_STEP:
-            assert skipped and scale == 512.0 and math.isinf(norm) and not any(moved)
+            assert skipped and scale == backed_off and math.isinf(norm) and not any(moved)
         else:
-            assert not skipped and scale == (1024.0 if step < PLANTED_STEP else 512.0)
+            assert not skipped and scale == (first if step < PLANTED_STEP else backed_off)
             assert_norm(norm, runs[0][step]["materialised"])
             assert all(moved)

@@ -1,6 +1,7 @@
 """Lightning 2.6: ModelParallelStrategy (dp=2 x tp=2) on 4 CPU ranks, Lightning's own clip
 beside MeshSafeGradientClipping, in automatic and manual optimization, fp32, bf16-mixed and
-fp16 with this package's GradScaler as the precision plugin's scaler.
+fp16 with this package's GradScaler as the precision plugin's scaler, and with rank-local
+experts declared to the mixin.
 
 Lightning runs its own loop: the Trainer in each rank (torch's elastic launcher starts them, as
 torchrun would), ``configure_model`` applying TP and FSDP2 on ``self.device_mesh``, its hooks
@@ -14,9 +15,12 @@ import logging
 import math
 from typing import Any
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from harness import (
+    DIM,
     DP,
     MIXED_MESH_ERROR,
     TP,
@@ -32,7 +36,9 @@ from harness import (
     same_on_every_rank,
     start_rank,
 )
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from credit.parallel.amp import GradScaler
@@ -50,6 +56,9 @@ PLANTED_RANK = 3
 
 class Regression(L.LightningModule):
     """Lightning's way to the issue's layout: TP then FSDP2 on the strategy's mesh."""
+
+    # The mixin's, where it is mixed in: the groups of rank-local experts, for the replica check.
+    grad_clip_distinct_along: Any = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,7 +78,13 @@ class Regression(L.LightningModule):
 
     def on_train_end(self) -> None:
         # Every copy of every parameter and AdamW state, bit-identical (raises on every rank).
-        verify_replicas(self, self.trainer.optimizers[0])
+        verify_replicas(
+            self, self.trainer.optimizers[0], distinct_along=self.grad_clip_distinct_along
+        )
+
+    def oracle(self) -> float:
+        """The norm of the gradients, materialised."""
+        return materialised_norm(self.parameters())
 
 
 class Clipped(MeshSafeGradientClipping, Regression):
@@ -77,10 +92,7 @@ class Clipped(MeshSafeGradientClipping, Regression):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.records.append(
-            {
-                "materialised": materialised_norm(self.parameters()),
-                "before": local_digest(self.parameters()),
-            }
+            {"materialised": self.oracle(), "before": local_digest(self.parameters())}
         )
 
     def configure_gradient_clipping(
@@ -88,14 +100,41 @@ class Clipped(MeshSafeGradientClipping, Regression):
     ) -> None:
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         assert self.last_grad_norm is not None
-        self.records[-1].update(
-            norm=bits(self.last_grad_norm), clipped=materialised_norm(self.parameters())
-        )
+        self.records[-1].update(norm=bits(self.last_grad_norm), clipped=self.oracle())
 
     def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
         # The Integrations page's logging of the norm.
         self.log("grad_norm", self.last_grad_norm)
         self.records[-1].update(logged=bits(self.trainer.callback_metrics["grad_norm"]))
+
+
+class Experts(Clipped):
+    """Rank-local experts beside the dense layout: each expert-parallel rank trains its own
+    expert (seeded by its ep rank), FSDP2-sharded over an edp mesh, declared to the mixin."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expert = nn.Linear(DIM, DIM)
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        expert_mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("edp", "ep"))
+        self.ep_group = expert_mesh["ep"]
+        torch.manual_seed(100 + self.ep_group.get_local_rank())
+        self.expert.reset_parameters()
+        fully_shard(self.expert, mesh=expert_mesh["edp"])
+        self.grad_clip_distinct_along = [(list(self.expert.parameters()), self.ep_group)]
+
+    def training_step(self, batch: tuple[Tensor, Tensor], index: int) -> Tensor:
+        return super().training_step(batch, index) + self.expert(batch[0]).square().mean()
+
+    def oracle(self) -> float:
+        """The dense gradients' norm and every ep rank's expert's, materialised."""
+        experts = torch.tensor(
+            materialised_norm(self.expert.parameters()) ** 2, dtype=torch.float64
+        )
+        dist.all_reduce(experts, group=self.ep_group.get_group())
+        return math.sqrt(materialised_norm(self.net.parameters()) ** 2 + experts.item())
 
 
 class Manual(MeshSafeGradientClipping, Regression):
@@ -109,16 +148,22 @@ class Manual(MeshSafeGradientClipping, Regression):
         optimizer = self.optimizers()
         optimizer.zero_grad()
         self.manual_backward(super().training_step(batch, index))
-        materialised = materialised_norm(self.parameters())
+        materialised = self.oracle()
         norm = self.clip_grad_norm_(optimizer, MAX_NORM)
         self.records.append(
-            {
-                "materialised": materialised,
-                "norm": bits(norm),
-                "clipped": materialised_norm(self.parameters()),
-            }
+            {"materialised": materialised, "norm": bits(norm), "clipped": self.oracle()}
         )
         optimizer.step()
+
+
+def _record_scaler(module: Regression) -> None:
+    """The step's outcome: whether the scaler skipped it, its scale, this rank's weights."""
+    scaler = module.trainer.precision_plugin.scaler
+    module.records[-1].update(
+        skipped=scaler.last_step_skipped,
+        scale=scaler.get_scale(),
+        after=local_digest(module.parameters()),
+    )
 
 
 class Planted(Clipped):
@@ -130,12 +175,32 @@ class Planted(Clipped):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
         super().on_train_batch_end(outputs, batch, index)
-        scaler = self.trainer.precision_plugin.scaler
-        self.records[-1].update(
-            skipped=scaler.last_step_skipped,
-            scale=scaler.get_scale(),
-            after=local_digest(self.parameters()),
-        )
+        _record_scaler(self)
+
+
+class ManualPlanted(MeshSafeGradientClipping, Regression):
+    """fp16 in manual optimization: the clip in on_before_optimizer_step, which Lightning calls
+    inside optimizer.step() once it has unscaled the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[Tensor, Tensor], index: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, index))
+        if index == PLANTED_STEP and self.global_rank == PLANTED_RANK:
+            plant_inf(self.net.fc1.weight)
+        optimizer.step()
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        record = {"materialised": self.oracle(), "before": local_digest(self.parameters())}
+        record["norm"] = bits(self.clip_grad_norm_(optimizer, MAX_NORM))
+        self.records.append(record)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
+        _record_scaler(self)
 
 
 def _fit(model: Regression, **trainer_args: Any) -> list[dict[str, Any]]:
@@ -181,11 +246,18 @@ def _manual() -> list[dict[str, Any]]:
     return _fit(Manual())
 
 
-def _planted() -> list[dict[str, Any]]:
+def _experts() -> list[dict[str, Any]]:
+    start_rank()
+    return _fit(Experts(), gradient_clip_val=MAX_NORM)
+
+
+def _planted(manual: bool) -> list[dict[str, Any]]:
     start_rank()
     plugin = L.pytorch.plugins.MixedPrecision(
         "16-mixed", "cpu", scaler=GradScaler("cpu", init_scale=1024.0)
     )
+    if manual:
+        return _fit(ManualPlanted(), plugins=[plugin])
     return _fit(Planted(), gradient_clip_val=MAX_NORM, plugins=[plugin])
 
 
@@ -220,12 +292,19 @@ def test_mixin_clips_in_manual_optimization():
     _assert_clipped_like_the_materialised_norm(run_ranks(_manual))
 
 
-def test_fp16_planted_inf_skips_the_step_on_every_rank():
+def test_mixin_clips_rank_local_experts_declared_through_distinct_along():
+    """Each ep rank's own expert, FSDP2 on an edp mesh beside the strategy's: the norm covers the
+    dense part and every rank's expert, the same bits on every rank."""
+    _assert_clipped_like_the_materialised_norm(run_ranks(_experts))
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_fp16_planted_inf_skips_the_step_on_every_rank(manual):
     """16-mixed with this package's GradScaler as the MixedPrecision plugin's scaler: Lightning
     unscales, the mixin clips (its all_reduce carries the skip decision), Lightning's plugin
     steps through the scaler. The step holding rank 3's inf is skipped on all 4 ranks, the
     scale halves once, no weight moves; every other step clips and steps."""
-    runs = run_ranks(_planted)
+    runs = run_ranks(_planted, manual)
     for step in range(STEPS):
         skipped = same_on_every_rank([records[step]["skipped"] for records in runs])
         scale = same_on_every_rank([records[step]["scale"] for records in runs])
