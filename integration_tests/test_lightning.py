@@ -28,6 +28,7 @@ from harness import (
     assert_norm,
     bits,
     framework,
+    full,
     local_digest,
     materialised_norm,
     parallelize,
@@ -50,6 +51,7 @@ L = framework("lightning")
 STEPS = 4
 # Below every step's norm: every step clips, so a wrong norm moves the weights.
 MAX_NORM = 0.05
+CLIP_VALUE = 0.01  # below every step's largest gradient element
 PLANTED_STEP = 1  # fp16: rank 3 plants an inf in its TP shard after this step's backward
 PLANTED_RANK = 3
 
@@ -106,6 +108,20 @@ class Clipped(MeshSafeGradientClipping, Regression):
         # The Integrations page's logging of the norm.
         self.log("grad_norm", self.last_grad_norm)
         self.records[-1].update(logged=bits(self.trainer.callback_metrics["grad_norm"]))
+
+
+class ClippedByValue(MeshSafeGradientClipping, Regression):
+    """gradient_clip_algorithm="value": left to Lightning's own clip, element-wise."""
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        largest = max(full(p.grad).abs().max().item() for p in self.parameters())
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        clipped = max(full(p.grad).abs().max().item() for p in self.parameters())
+        self.records.append(
+            {"largest": largest, "clipped": clipped, "norm taken": self.last_grad_norm is not None}
+        )
 
 
 class Experts(Clipped):
@@ -241,6 +257,11 @@ def _clipped(precision: str) -> list[dict[str, Any]]:
     return _fit(Clipped(), gradient_clip_val=MAX_NORM, precision=precision)
 
 
+def _by_value() -> list[dict[str, Any]]:
+    start_rank()
+    return _fit(ClippedByValue(), gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value")
+
+
 def _manual() -> list[dict[str, Any]]:
     start_rank()
     return _fit(Manual())
@@ -286,6 +307,17 @@ def test_mixin_clips_to_the_materialised_norm_in_fp32():
 
 def test_mixin_clips_to_the_materialised_norm_in_bf16_mixed():
     _assert_clipped_like_the_materialised_norm(run_ranks(_clipped, "bf16-mixed"))
+
+
+def test_mixin_leaves_clipping_by_value_to_lightning():
+    """Clipping by value is element-wise: Lightning's own works on the mixed meshes, and the
+    mixin leaves it to Lightning (no norm taken)."""
+    runs = run_ranks(_by_value)
+    for step in range(STEPS):
+        largest = same_on_every_rank([records[step]["largest"] for records in runs])
+        clipped = same_on_every_rank([records[step]["clipped"] for records in runs])
+        assert largest > CLIP_VALUE and clipped == pytest.approx(CLIP_VALUE)
+        assert not any(records[step]["norm taken"] for records in runs)
 
 
 def test_mixin_clips_in_manual_optimization():
