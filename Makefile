@@ -1,14 +1,15 @@
 # Everything runs inside .venv, created on first use. torch is pinned for development and tests;
 # the package itself needs torch>=2.10,<2.16 (`make test-compat` tests both ends). `make demo`
 # installs only what the demo needs (torch and the package); the other targets add the
-# development tools.
+# development tools. `make test-integrations` runs the framework recipes (Lightning, accelerate,
+# torchtitan, torchtune) in a venv of their own, .venv-integrations.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 BASE := $(VENV)/.installed-base
 DEV := $(VENV)/.installed-dev
 
-.PHONY: test lint typecheck unit demo bench docs clean test-torch test-compat test-gpu
+.PHONY: test lint typecheck unit demo bench docs clean test-torch test-compat test-gpu test-integrations
 
 # The supported torch range (pyproject.toml), tested by `make test-compat` at both ends.
 TORCH_FLOOR := 2.10.0
@@ -61,10 +62,24 @@ test-compat:
 	PIP_CONSTRAINT=/dev/null .venv-torch-$*/bin/python -m pip install --quiet torch==$* -e '.[dev,docs]'
 	touch $@
 
+# `make test-integrations`: each framework's recipe run against the framework itself, on 4 gloo
+# ranks (integration_tests/), with the versions pinned by the `integrations` extra. torch is
+# installed first, so that no framework pulls another build of it.
+INTEGRATIONS := .venv-integrations
+
+test-integrations: $(INTEGRATIONS)/.installed
+	$(INTEGRATIONS)/bin/python -m pytest -q integration_tests
+
+$(INTEGRATIONS)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(INTEGRATIONS)
+	$(INTEGRATIONS)/bin/python -m pip install --quiet torch==2.13.0 numpy
+	$(INTEGRATIONS)/bin/python -m pip install --quiet torch==2.13.0 -e '.[integrations]'
+	touch $@
+
 # `make test-gpu`: the checks that need a CUDA GPU, with the interpreter at hand and nothing
 # installed but torch and pytest (tests/gpu_check.sh; the log goes to gpu-check.log).
 test-gpu:
 	PYTHON=$(PYTHON) tests/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) .venv-torch-* docs/_build .pytest_cache .mypy_cache .ruff_cache build gpu-check.log
+	rm -rf $(VENV) .venv-torch-* $(INTEGRATIONS) docs/_build .pytest_cache .mypy_cache .ruff_cache build gpu-check.log

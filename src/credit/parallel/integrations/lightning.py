@@ -1,0 +1,120 @@
+"""Lightning: ``Trainer(gradient_clip_val=...)`` on any mix of meshes.
+
+Lightning clips through its precision plugin, which calls ``torch.nn.utils.clip_grad_norm_``: with
+``ModelParallelStrategy`` (tensor-parallel weights on the ``(data_parallel, tensor_parallel)``
+mesh, everything else FSDP2 on ``data_parallel``) that raises "All operands in aten.stack.default
+must have the same mesh". Mixed into a ``LightningModule``, :class:`MeshSafeGradientClipping`
+clips by norm with :func:`credit.parallel.collectives.clip_grad_norm_` instead. This module does
+not import Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, cast
+
+import torch
+from torch import Tensor, nn
+
+from credit.parallel._inputs import DistinctAlong
+from credit.parallel.collectives import clip_grad_norm_
+
+__all__ = ["MeshSafeGradientClipping"]
+
+
+class MeshSafeGradientClipping:
+    """``LightningModule`` mixin: clipping by norm with this package's clip, on any mesh.
+
+    List it before ``LightningModule``::
+
+        class Model(MeshSafeGradientClipping, L.LightningModule): ...
+
+    In automatic optimization, ``Trainer(gradient_clip_val=1.0)`` then works as Lightning
+    documents it: the mixin's :meth:`configure_gradient_clipping` clips the optimizer's
+    parameters by norm with :func:`~credit.parallel.collectives.clip_grad_norm_`, after Lightning
+    has unscaled fp16 gradients (with ``credit.parallel.amp.GradScaler`` as the precision
+    plugin's scaler, its all_reduce also carries the scaler's skip decision). Clipping by value
+    (``gradient_clip_algorithm="value"``) stays Lightning's: it is element-wise and works on any
+    mesh. In manual optimization, call :meth:`clip_grad_norm_` where Lightning's documentation
+    calls ``self.clip_gradients``, between ``self.manual_backward(loss)`` and ``optimizer.step()``
+    (with an fp16 scaler, in ``on_before_optimizer_step``, where the gradients are unscaled).
+
+    A subclass that overrides ``configure_gradient_clipping`` itself calls
+    :meth:`clip_grad_norm_` from it.
+
+    Attributes:
+        grad_clip_distinct_along: ``distinct_along`` pairs passed to every clip, for parameters
+            whose copies differ along a group their mesh does not show (experts held per
+            expert-parallel rank): a list of ``(parameters, group)``, set in ``configure_model``.
+            Default: None.
+        last_grad_norm: the total norm of the last clip, before clipping (a plain scalar
+            tensor, the same on every rank), for logging. None before the first clip.
+    """
+
+    grad_clip_distinct_along: DistinctAlong | None = None
+    last_grad_norm: Tensor | None = None
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's hook: clip by norm with :meth:`clip_grad_norm_`, by value as Lightning does.
+
+        Args:
+            optimizer: the optimizer about to step.
+            gradient_clip_val: the Trainer's ``gradient_clip_val``; None or 0 clips nothing.
+            gradient_clip_algorithm: the Trainer's ``gradient_clip_algorithm``: ``"norm"``
+                (also when None, as in Lightning) or ``"value"``.
+        """
+        if gradient_clip_algorithm is not None and gradient_clip_algorithm.lower() == "value":
+            # Lightning's own clip by value: element-wise, right on every mesh.
+            cast(_ClipsGradients, self).clip_gradients(
+                optimizer, gradient_clip_val, gradient_clip_algorithm
+            )
+        elif gradient_clip_val:
+            self.clip_grad_norm_(optimizer, gradient_clip_val)
+
+    def clip_grad_norm_(
+        self, optimizer: torch.optim.Optimizer, max_norm: float | Tensor, norm_type: float = 2.0
+    ) -> Tensor:
+        """Clip the gradients of ``optimizer``'s parameters to ``max_norm`` on any mix of meshes.
+
+        :func:`credit.parallel.collectives.clip_grad_norm_` on the parameters of every parameter
+        group of ``optimizer``, named after the module's parameters in its messages, with
+        :attr:`grad_clip_distinct_along`. Every rank must call it.
+
+        Args:
+            optimizer: the optimizer whose parameters' gradients are clipped in place (Lightning's
+                wrapped optimizer too).
+            max_norm: max norm of the gradients, in every form the clip takes.
+            norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
+
+        Returns:
+            The total norm before clipping (also kept as :attr:`last_grad_norm`).
+
+        Raises:
+            TypeError, ValueError, RuntimeError: as
+                :func:`credit.parallel.collectives.clip_grad_norm_`.
+        """
+        names = {id(p): name for name, p in cast(nn.Module, self).named_parameters()}
+        named = [
+            (names.get(id(p), f"param_groups[{group}][{index}]"), p)
+            for group, settings in enumerate(optimizer.param_groups)
+            for index, p in enumerate(settings["params"])
+        ]
+        self.last_grad_norm = clip_grad_norm_(
+            named, max_norm, norm_type, distinct_along=self.grad_clip_distinct_along
+        )
+        return self.last_grad_norm
+
+
+class _ClipsGradients(Protocol):
+    """The part of ``LightningModule`` the mixin calls: Lightning's own clip."""
+
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None: ...
