@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from credit.parallel._scoped import ScopedCache
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.replicas import ReplicaMismatchError, verify_replicas
 
@@ -333,3 +334,16 @@ def test_on_a_gpu_copies_that_differ_give_nan_without_a_sync_and_raise_where_it_
     assert all(r[1] for r in results), "the norm is NaN on every rank"
     _refused_everywhere([r[2] for r in results], "weight")
     assert all(r[3] for r in results), "no gradient changed on any rank"
+
+
+def test_a_scoped_cache_keeps_the_most_recently_used_entries():
+    """Without a process group (this process has none), a ScopedCache is a plain LRU cache; the
+    re-formed group above shows it dropping everything when the group changes."""
+    assert not dist.is_initialized()
+    cache: ScopedCache[str, int] = ScopedCache(2)
+    assert cache.put("a", 1) == 1
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # "a" is now the most recently used
+    cache.put("c", 3)
+    assert cache.get("b") is None
+    assert (cache.get("a"), cache.get("c")) == (1, 3)

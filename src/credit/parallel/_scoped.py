@@ -56,10 +56,6 @@ class ScopedCache(Generic[_K, _V]):
             self._entries.popitem(last=False)
         return value
 
-    def __len__(self) -> int:
-        self._follow_group()
-        return len(self._entries)
-
     def _follow_group(self) -> None:
         group = _default_group()
         if group is not self._group:
