@@ -153,17 +153,26 @@ class Experts(Clipped):
         return math.sqrt(materialised_norm(self.net.parameters()) ** 2 + experts.item())
 
 
-class Manual(MeshSafeGradientClipping, Regression):
-    """Manual optimization: the mixin's clip where Lightning's docs call self.clip_gradients."""
+class _ManualOptimization(MeshSafeGradientClipping, Regression):
+    """Manual optimization: each step zeroes the gradients and runs backward itself."""
 
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
 
-    def training_step(self, batch: tuple[Tensor, Tensor], index: int) -> None:
+    def _backward(self, batch: tuple[Tensor, Tensor], index: int) -> Any:
+        """The step's backward; returns the optimizer to step."""
         optimizer = self.optimizers()
         optimizer.zero_grad()
         self.manual_backward(super().training_step(batch, index))
+        return optimizer
+
+
+class Manual(_ManualOptimization):
+    """Manual optimization: the mixin's clip where Lightning's docs call self.clip_gradients."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], index: int) -> None:
+        optimizer = self._backward(batch, index)
         materialised = self.oracle()
         norm = self.clip_grad_norm_(optimizer, MAX_NORM)
         self.records.append(
@@ -194,18 +203,12 @@ class Planted(Clipped):
         _record_scaler(self)
 
 
-class ManualPlanted(MeshSafeGradientClipping, Regression):
+class ManualPlanted(_ManualOptimization):
     """fp16 in manual optimization: the clip in on_before_optimizer_step, which Lightning calls
     inside optimizer.step() once it has unscaled the gradients."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
     def training_step(self, batch: tuple[Tensor, Tensor], index: int) -> None:
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        self.manual_backward(super().training_step(batch, index))
+        optimizer = self._backward(batch, index)
         if index == PLANTED_STEP and self.global_rank == PLANTED_RANK:
             plant_inf(self.net.fc1.weight)
         optimizer.step()
