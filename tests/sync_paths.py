@@ -265,11 +265,11 @@ def _report(layout: str, world: World) -> Call:
     return lambda: grad_norm_report(named, pp_group=pp_group)
 
 
-def _nonfinite_error(what: str, world: World) -> Call:
+def _nonfinite_error(what: str, layout: str, world: World) -> Call:
     if what == "total_grad_norm":
-        grads = world.grads("mixed")
+        grads = world.grads(layout)
         return lambda: _total_grad_norm(grads, error_if_nonfinite=True)
-    params = world.params("mixed")
+    params = world.params(layout)
     return lambda: clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
 
 
@@ -408,17 +408,17 @@ ROWS: tuple[Row, ...] = (
     Row("total_grad_norm pp_group, p=2", partial(_pipeline_norm, 2.0), reads=1),
     Row("total_grad_norm pp_group, p=inf", partial(_pipeline_norm, math.inf), reads=1),
     Row("clip_grad_norm_ pp_group", _pipeline_clip, reads=1),
-    Row(
-        "total_grad_norm error_if_nonfinite=True",
-        partial(_nonfinite_error, "total_grad_norm"),
-        reads=1,
-        answer=1.0,
-    ),
-    Row(
-        "clip_grad_norm_ error_if_nonfinite=True",
-        partial(_nonfinite_error, "clip_grad_norm_"),
-        reads=1,
-        answer=1.0,
+    # error_if_nonfinite: one read answers both whether the norm is finite and whether copies
+    # differed, on mixed meshes and on plain replicas alike.
+    *(
+        Row(
+            f"{what} error_if_nonfinite=True{suffix}",
+            partial(_nonfinite_error, what, layout),
+            reads=1,
+            answer=1.0,
+        )
+        for what in ("total_grad_norm", "clip_grad_norm_")
+        for layout, suffix in (("mixed", ""), ("plain", ", plain replicas"))
     ),
     Row(
         "GradScaler fused AdamW: unscale_, clip, step, update (FSDP2)",

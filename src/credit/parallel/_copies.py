@@ -14,18 +14,25 @@ Each rank takes a fingerprint of each local shard ``x`` (in float64): its L2 nor
 fingerprints. Shards whose values differ by ``d`` (in L2) have projections that differ by about
 ``d`` each, whatever their norms: a random projection keeps distances.
 
-One copy of every group of copies is its reference (``_ownership.copy_group``). The member ``i``
-of a group of ``c`` copies sends ``rho * (ref_i - 1 / c) * (f_i, f_i**2)``, ``ref_i`` being 1 on the
-reference and 0 elsewhere, so the sum over the group is ``rho * (f_ref - mean f, f_ref**2 -
-mean f**2)``. Both vanish exactly when the variance of ``f`` over the group is zero: when every
-copy equals the reference. ``rho``, a pseudo-random weight in [1, 2) per shard, keeps groups that
-share a sum (the shards of one gradient, the gradients of one pipeline stage) from cancelling out.
+Within a stage each group of ``c`` copies has a slot of its own (``_ownership.copy_slot``), where
+each member adds ``1``, ``tau``, ``f`` and ``f**2`` per fingerprint column. From the sums, every
+rank computes the spread ``sqrt(sum (f - mean f)**2) = sqrt(S2 - S1**2 / c)`` of each column and
+compares it with ``tau`` times the copies' mean norm (:func:`_grouped_differ`). One copy that
+differs from the others by ``e`` has spread ``e * sqrt((c - 1) / c)``: it is caught whenever
+``e > sqrt(2) * tau * mean norm``, whichever copy it is and however many copies there are.
 
-Tolerance: copies pass when their fingerprints agree within ``tau`` times the shard's norm, with
-``tau = max(2**-16, 8 eps)`` of the gradient's dtype (float32 and float64: 1.5e-5; float16:
-7.8e-3; bfloat16: 6.3e-2). Copies reduced by an all_reduce are bit-identical; copies computed
-redundantly (replicas fed the same data) differ by a few roundings per element; ranks that hold
-other values differ by about the size of the values, 1.4 times the norm for independent draws.
+Under pipeline stages a rank cannot see the other stages' groups, so each stage has one slot,
+pooled over its groups: the member ``i`` of a group sends ``rho * (ref_i - 1 / c) * (f_i,
+f_i**2)``, ``ref_i`` being 1 on the group's reference (``_ownership.copy_group``) and 0 elsewhere,
+so the group adds ``rho * (f_ref - mean f, f_ref**2 - mean f**2)``, zero exactly when every copy
+equals the reference; ``rho``, a pseudo-random weight in [1, 2) per group, keeps groups from
+cancelling out. A looser test: its bound grows with ``c``.
+
+Tolerance ``tau = max(2**-16, 8 eps)`` of the gradient's dtype (float32 and float64: 1.5e-5;
+float16: 7.8e-3; bfloat16: 6.3e-2). Copies reduced by an all_reduce are bit-identical; copies
+computed apart differ by a few roundings of the reduce dtype (measured in
+``tests/test_copies_bound.py``: at most 2 eps, a margin of 3.5x to 75x); ranks that hold other
+values differ by about the size of the values, 1.4 times the norm for independent draws.
 """
 
 from __future__ import annotations
@@ -48,9 +55,11 @@ from credit.parallel._ownership import CopyGroup, Holding
 _PERIOD = 1021  # the patterns repeat with this prime period, which no tensor dim is likely to share
 _PROJECTIONS = 4
 _COLUMNS = 1 + _PROJECTIONS  # the norm and the projections
-WIDTH = 4 * _COLUMNS  # the sums per slot (see terms)
 _TOLERANCE = 2.0**-16
 _ROUNDINGS = 8
+# The float64 sums of c addends err by at most about 3 c 2**-53 of the sum of squares (see
+# _grouped_differ); this allowance covers it.
+_SUMMATION = 2.0**-51
 
 
 @dataclass(frozen=True)
@@ -60,10 +69,13 @@ class Plan:
     Attributes:
         groups: each gradient's copy group on this rank (None where it holds nothing).
         compared: the gradients with copies (groups larger than one), the only ones fingerprinted.
-        slot_count: how many sums, the same on every rank.
-        factors: per compared gradient, ``rho * (ref - 1 / c)`` and ``rho * (ref + 1 / c) * tau``
-            (the tolerance it adds), float64 on the device, shape (len(compared), 2).
-        slots: per compared gradient, the sum it adds into, an index tensor on the device.
+        slot_count: how many slots of sums, the same on every rank.
+        pooled: whether a slot pools the groups of many gradients (one slot per pipeline
+            stage) rather than holding one group of copies.
+        factors: per compared gradient, the constants of its addends, float64 on the device:
+            ``tau`` (shape (len(compared), 1)) for a slot per group; ``rho * (ref - 1 / c)`` and
+            ``rho * (ref + 1 / c) * tau`` (shape (len(compared), 2)) for pooled slots.
+        slots: per compared gradient, the slot it adds into, an index tensor on the device.
         positions: per compared gradient, the place of its norm among the call's stacked norms,
             an index tensor on the device (for the comparison of every call).
     """
@@ -71,6 +83,7 @@ class Plan:
     groups: list[CopyGroup | None]
     compared: list[int]
     slot_count: int
+    pooled: bool
     factors: Tensor
     slots: Tensor
     positions: Tensor
@@ -83,38 +96,44 @@ def plan(
     slot_count: int,
     position_of: list[int],
     device: torch.device,
+    *,
+    pooled: bool = False,
 ) -> Plan:
     """The :class:`Plan` of one layout, its constants on ``device`` in one host-to-device copy.
 
     Args:
         held: what this rank holds of each gradient.
         groups: each gradient's copy group on this rank.
-        slot_of: the sum each gradient adds into (per gradient within a stage, per stage across
-            pipeline stages).
-        slot_count: the number of sums.
+        slot_of: the slot each gradient adds into (its group's, or its stage's where pooled).
+        slot_count: the number of slots.
         position_of: the place of each gradient's norm among the stacked norms of a call.
         device: where the comparison's tensors live.
+        pooled: a slot pools groups of copies (see :attr:`Plan.pooled`).
     """
     compared = [i for i, group in enumerate(groups) if group is not None and group.size > 1]
     rows = []
     for index in compared:
         group = groups[index]
         assert group is not None
-        rho = _pseudo_random(index, *group.key)
-        ref = 1.0 if group.is_reference else 0.0
-        coefficient = rho * (ref - 1.0 / group.size)
-        scale = rho * (ref + 1.0 / group.size) * tolerance(held[index].dtype)
-        rows.append([coefficient, scale, float(slot_of[index]), float(position_of[index])])
-    constants = torch.zeros(0, 4, dtype=torch.float64, device=device)
+        tau = tolerance(held[index].dtype)
+        factors = [tau]
+        if pooled:
+            rho = _pseudo_random(index, *group.key)
+            ref = 1.0 if group.is_reference else 0.0
+            factors = [rho * (ref - 1.0 / group.size), rho * (ref + 1.0 / group.size) * tau]
+        rows.append([*factors, float(slot_of[index]), float(position_of[index])])
+    width = 2 if pooled else 1
+    constants = torch.zeros(0, width + 2, dtype=torch.float64, device=device)
     if rows:  # one copy, where some gradient has copies
         constants = torch.tensor(rows, dtype=torch.float64, device=device)
     return Plan(
         groups=groups,
         compared=compared,
         slot_count=slot_count,
-        factors=constants[:, :2],
-        slots=constants[:, 2].long(),
-        positions=constants[:, 3].long(),
+        pooled=pooled,
+        factors=constants[:, :width],
+        slots=constants[:, width].long(),
+        positions=constants[:, width + 1].long(),
     )
 
 
@@ -175,14 +194,21 @@ def _patterns(device: torch.device) -> Tensor:
     return (2 * signs - 1).to(torch.float64).to(device)
 
 
+def width(plan: Plan, columns: int) -> int:
+    """How many sums a slot holds for fingerprints of ``columns`` columns."""
+    return 4 * columns if plan.pooled else 2 + 2 * columns
+
+
 def terms(plan: Plan, local: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
     """This rank's addends of the first call's comparison (full fingerprints), shape
-    (slot_count, WIDTH), and whether a fingerprint was not finite (1.0, else 0.0; then the
+    (slot_count, width), and whether a fingerprint was not finite (1.0, else 0.0; then the
     addends are zeros: NaN and inf cannot be compared), both float64 on ``device``. Nothing is
     read on the host.
     """
     if not plan.compared:
-        summed = torch.zeros(plan.slot_count, WIDTH, dtype=torch.float64, device=device)
+        summed = torch.zeros(
+            plan.slot_count, width(plan, _COLUMNS), dtype=torch.float64, device=device
+        )
         return summed, torch.zeros((), dtype=torch.float64, device=device)
     prints = fingerprints([local[i] for i in plan.compared], device)
     nonfinite = ~torch.isfinite(prints).all()
@@ -193,31 +219,58 @@ def terms(plan: Plan, local: list[Tensor], device: torch.device) -> tuple[Tensor
 def terms_of(plan: Plan, prints: Tensor) -> Tensor:
     """This rank's addends of the comparison of fingerprints ``prints`` (one row per compared
     gradient, in float64: full fingerprints, or the local norms alone), shape (slot_count,
-    4 * columns). A NaN or inf fingerprint makes its slot's sums NaN or inf.
+    width). A NaN or inf fingerprint makes its slot's sums NaN or inf.
 
-    Columns: ``sum coefficient * f``, ``sum coefficient * f**2``, and the tolerances of both,
-    ``sum scale * (|x| + |f|)`` and ``sum scale * (|x| + |f|)**2``, ``|x|`` being the norm
-    (the first column).
+    A slot per group of copies sums, over its members, ``1``, ``tau``, each column ``f`` and
+    ``f**2`` (see :func:`differ`). Pooled slots sum ``coefficient * f``, ``coefficient * f**2``
+    and their tolerances, ``scale * (|x| + |f|)`` and ``scale * (|x| + |f|)**2``, ``|x|`` being
+    the norm (the first column): the difference between each group's reference and its mean.
     """
     columns = prints.shape[1]
-    summed = torch.zeros(plan.slot_count, 4 * columns, dtype=torch.float64, device=prints.device)
+    summed = torch.zeros(
+        plan.slot_count, width(plan, columns), dtype=torch.float64, device=prints.device
+    )
     if not plan.compared:
         return summed
-    coefficients, scales = plan.factors[:, :1], plan.factors[:, 1:]
-    bound = prints[:, :1] + prints.abs()
-    addends = torch.cat(
-        [coefficients * prints, coefficients * prints**2, scales * bound, scales * bound**2],
-        dim=1,
-    )
-    return summed.index_add_(0, plan.slots, addends)
+    if plan.pooled:
+        coefficients, scales = plan.factors[:, :1], plan.factors[:, 1:]
+        bound = prints[:, :1] + prints.abs()
+        addends = [
+            coefficients * prints,
+            coefficients * prints**2,
+            scales * bound,
+            scales * bound**2,
+        ]
+    else:
+        addends = [torch.ones_like(plan.factors), plan.factors, prints, prints**2]
+    return summed.index_add_(0, plan.slots, torch.cat(addends, dim=1))
 
 
-def differ(summed: Tensor) -> Tensor:
-    """Whether any sum of :func:`terms_of`, reduced over the world, is outside its tolerance (a
-    NaN too): a boolean scalar beside the sums, not read on the host."""
-    first, second, first_bound, second_bound = summed.split(summed.shape[1] // 4, dim=1)
-    within = (first.abs() <= first_bound).all() & (second.abs() <= second_bound).all()
-    return ~within
+def differ(summed: Tensor, *, pooled: bool) -> Tensor:
+    """Whether any slot of :func:`terms_of`, reduced over the world, holds copies that differ
+    beyond the tolerance (a NaN too): a boolean scalar beside the sums, not read on the host.
+    ``pooled``: the slots are pooled (see :attr:`Plan.pooled`)."""
+    if pooled:
+        first, second, first_bound, second_bound = summed.split(summed.shape[1] // 4, dim=1)
+        within = (first.abs() <= first_bound).all() & (second.abs() <= second_bound).all()
+        return ~within
+    return _grouped_differ(summed)
+
+
+def _grouped_differ(summed: Tensor) -> Tensor:
+    """The test of a slot per group of ``c`` copies, column by column: the spread of the copies'
+    fingerprints about their mean, ``sqrt(sum (f - mean f)**2) = sqrt(S2 - S1**2 / c)``, must not
+    exceed ``tau`` times the copies' mean norm. Beside it, the float64 rounding of the sums: ``S1``
+    errs by at most ``(c - 1) 2**-53 sum |f| <= (c - 1) 2**-53 sqrt(c S2)``, so ``S1**2 / c`` by
+    about ``2 (c - 1) 2**-53 S2``, ``S2`` by ``(c - 1) 2**-53 S2``: ``c 2**-51 S2`` covers both.
+    """
+    columns = (summed.shape[1] - 2) // 2
+    count, tau, first, second = summed.split([1, 1, columns, columns], dim=1)
+    copies = count.clamp_min(1.0)
+    mean = first / copies
+    spread = second - first * mean  # the sum of squared deviations from the mean
+    allowed = (tau / copies * mean[:, :1]) ** 2 + copies * _SUMMATION * second
+    return ~(spread <= allowed).all()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -281,23 +281,21 @@ def verify(
     lowest = _ownership.lowest_rank_of_stage(plan.at, pp_group, device)
     if plan.copies is None and plan.error is None:
         plan.copies = _copies_plan(plan, lowest)
+    # A broken layout sends zeros of the same size beside its flag.
+    copies = plan.copies or _copies_plan(plan, lowest, compare=False)
+    sums, nonfinite = _copies.terms(copies, local, device)
     slot_count = plan.verification.numel() - 1
-    if plan.copies is not None:
-        sums, nonfinite = _copies.terms(plan.copies, local, device)
-    else:
-        sums = torch.zeros(slot_count, _copies.WIDTH, dtype=torch.float64, device=device)
-        nonfinite = torch.zeros((), dtype=torch.float64, device=device)
     vector = torch.cat([plan.verification, nonfinite.reshape(1), sums.flatten()])
     dist.all_reduce(vector, op=dist.ReduceOp.SUM)
     if not moves_data():
         plan.verified = True
         return
-    coverage, flags, sums = vector.split([slot_count, 2, sums.numel()])
+    coverage, flags, summed = vector.split([slot_count, 2, sums.numel()])
     verdict = torch.stack(
         [
             coverage.abs().ge(0.5).any() | (flags[0] > 0),  # integers, exact in float64
             flags[1] > 0,
-            _copies.differ(sums.view(slot_count, _copies.WIDTH)),
+            _copies.differ(summed.view_as(sums), pooled=copies.pooled),
         ]
     )
     broken, nonfinite_anywhere, differ = verdict.tolist()  # the first call's one read
@@ -320,20 +318,41 @@ def raise_copies_differ(
     _copies.raise_mismatch(mine, plan.at.index, len(plan.held), what)
 
 
-def _copies_plan(plan: Plan, lowest: int) -> _copies.Plan:
+def _copies_plan(plan: Plan, lowest: int, compare: bool = True) -> _copies.Plan:
+    """How this rank's shards enter the comparison of copies: within a stage, a slot per group
+    of copies; across pipeline stages, whose layouts the other stages cannot see, a slot per
+    stage. Without ``compare``, the same slots and no gradient in them."""
     at = plan.at
-    groups = [
-        _ownership.copy_group(held, at, lowest, distinct)
-        for held, distinct in zip(plan.held, plan.distinct, strict=True)
-    ]
-    if at.count == 1:
-        slot_of, slot_count = list(range(len(groups))), len(groups)
-    else:
-        slot_of, slot_count = [at.index] * len(groups), at.count
-    position_of = [0] * len(groups)
+    groups: list[_ownership.CopyGroup | None] = [None] * len(plan.held)
+    if compare:
+        groups = [
+            _ownership.copy_group(held, at, lowest, distinct)
+            for held, distinct in zip(plan.held, plan.distinct, strict=True)
+        ]
+    position_of = [0] * len(plan.held)
     for position, index in enumerate(plan.order.stacked):
         position_of[index] = position
-    return _copies.plan(plan.held, groups, slot_of, slot_count, position_of, plan.order.device)
+    if at.count > 1:
+        slot_of, slot_count = [at.index] * len(plan.held), at.count
+    else:
+        slot_of, slot_count = _group_slots(plan)
+    device = plan.order.device
+    return _copies.plan(
+        plan.held, groups, slot_of, slot_count, position_of, device, pooled=at.count > 1
+    )
+
+
+def _group_slots(plan: Plan) -> tuple[list[int], int]:
+    """The slot of each gradient's copy group, gradients with copies in stacking order, and the
+    number of slots: the same on every rank of a single stage that passed the layout."""
+    slot_of, slot_count = [0] * len(plan.held), 0
+    for index in plan.order.stacked:
+        held, distinct = plan.held[index], plan.distinct[index]
+        if _ownership.copies(held, plan.at, distinct) > 1:
+            group, count = _ownership.copy_slot(held, plan.at, distinct)
+            slot_of[index] = slot_count + group
+            slot_count += count
+    return slot_of, slot_count
 
 
 # ---------------------------------------------------------------------------------------------

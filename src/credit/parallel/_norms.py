@@ -14,9 +14,10 @@ layout's first call; a call then runs straight through :func:`reduce`:
    operations in torch's order, so a layout without copies (FSDP2 over the whole world) gives
    torch's bits. Where shards have copies, the same all_reduce (in float64) carries the
    comparison of the copies' local norms (``_copies``): tensors of a proven shape that are not
-   copies make the total NaN on every rank, never a number. Plain replicas (DDP) keep each
-   rank's own norm, torch's bits, and send their total beside the comparison, so a NaN or inf
-   on any rank reaches every rank. Nothing is read on a GPU and nothing is copied to it.
+   copies make the total NaN on every rank, never a number. Plain replicas (DDP) send the
+   reference copy's per-gradient norms beside the comparison: every rank returns the same
+   number, torch's bits where the copies are bit-identical, and a NaN or inf on any rank
+   reaches every rank. Nothing is read on a GPU and nothing is copied to it.
 4. Pipeline stages hold different gradients, so each rank sends one float64 number per segment
    (the whole norm, or one per report group) and, in the same all_reduce, what the stages decide
    together and the comparison; those few numbers are read on the host once per call (see
@@ -234,20 +235,24 @@ def raise_if_copies_differ(reduced: Reduced, request: NormRequest) -> None:
     the gradient and the ranks, when they differed. Every rank must call it together (the
     verdict is the same on every rank); the gradients must be as the call found them.
     """
-    if reduced.differ is not None and bool(reduced.differ):
-        assert reduced.plan is not None
-        _norm_plan.raise_copies_differ(reduced.plan, reduced.local, request.what, request.label)
-    reduced.differ = None
+    differ, reduced.differ = reduced.differ, None
+    if differ is not None and bool(differ):
+        _raise_copies_differ(reduced, request)
 
 
 def raise_if_nonfinite(reduced: Reduced, request: NormRequest) -> None:
-    """``error_if_nonfinite``: raise on every rank when the total is not finite, in one read;
-    copies that differed (their total is NaN) raise their own error (see
-    :func:`raise_if_copies_differ`). Every rank must call it together.
+    """``error_if_nonfinite``: raise on every rank when the total is not finite; copies that
+    differed (their total is NaN) raise their own error (see :func:`raise_if_copies_differ`).
+    Both answers come from one read. Every rank must call it together.
     """
-    if bool(torch.isfinite(reduced.total)):
+    finite = torch.isfinite(reduced.total)
+    differ = reduced.differ if reduced.differ is not None else torch.zeros_like(finite)
+    reduced.differ = None
+    is_finite, copies_differ = torch.stack([finite, differ]).tolist()  # the call's one read
+    if is_finite:
         return
-    raise_if_copies_differ(reduced, request)
+    if copies_differ:
+        _raise_copies_differ(reduced, request)
     raise RuntimeError(
         f"The total norm of order {request.order} for gradients from `parameters` is "
         "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
@@ -255,10 +260,15 @@ def raise_if_nonfinite(reduced: Reduced, request: NormRequest) -> None:
     )
 
 
+def _raise_copies_differ(reduced: Reduced, request: NormRequest) -> None:
+    assert reduced.plan is not None
+    _norm_plan.raise_copies_differ(reduced.plan, reduced.local, request.what, request.label)
+
+
 def _planned(grads: list[Tensor], local: list[Tensor], request: NormRequest) -> Plan:
     """The plan of the call's layout; within a single stage, verified on its first call."""
     at = _ownership.stages_of(request.pp_group)
-    held = [_ownership.holding(g) for g in grads]
+    held = _ownership.holdings(grads)
     if request.check:
         _check_same_layout(held, request, at, collective_device(local))
     plan = _norm_plan.plan_of(held, local, at, request.distinct)
@@ -363,7 +373,7 @@ def _single_stage(local: list[Tensor], plan: Plan, request: NormRequest) -> Redu
         sums, compared = _reduced_with_comparison(powered, stacked, plan)
         entries = _root(sums.to(weights.dtype), order)
     total = torch.linalg.vector_norm(entries, order).to(result_dtype)
-    differ = None if compared is None else _verdict(compared, total)
+    differ = None if compared is None else _verdict(compared, total, plan)
     if differ is not None:
         total = torch.where(differ, math.nan, total)
     return Reduced(
@@ -380,19 +390,31 @@ def _single_stage(local: list[Tensor], plan: Plan, request: NormRequest) -> Redu
 
 
 def _replicas(local: list[Tensor], plan: Plan, request: NormRequest) -> Reduced:
-    """Plain replicas (DDP): each rank's own norm, torch's bits, once the world agrees.
+    """Plain replicas (DDP): the reference copy's norms on every rank, torch's bits.
 
-    One all_reduce carries this rank's total (a NaN or inf on any rank makes the world's sum
-    non-finite, and every rank returns it) and the comparison of the copies' local norms; copies
-    that differ make the total NaN on every rank.
+    One all_reduce carries the reference's per-gradient norms (the stage's lowest rank sends
+    them, every other rank zeros) and the comparison of every copy's local norms. Every rank
+    returns the norm of the reference's entries: torch's bits where the copies are bit-identical,
+    the same number on every rank where they differ within the tolerance. A NaN or inf in any
+    rank's copy makes that gradient's comparison sums, and so its entry, non-finite on every
+    rank; copies that differ make the total NaN on every rank.
     """
     reduced = _local_norms(local, plan.order, request, request.dtype or plan.grads_dtype)
-    if reduced.local_norms is None:  # no gradients on any rank (the layout is shared)
+    stacked = reduced.local_norms
+    if stacked is None:  # no gradients on any rank (the layout is shared)
         return reduced
-    world, compared = _reduced_with_comparison(reduced.total.reshape(1), reduced.local_norms, plan)
-    differ = _verdict(compared, world[0])
-    mine = torch.where(differ, math.nan, reduced.total)
-    reduced.total = torch.where(torch.isfinite(world[0]), mine, world[0].to(mine.dtype))
+    copies = plan.copies
+    assert copies is not None  # built by the layout's verification
+    is_reference = any(g is not None and g.is_reference for g in copies.groups)
+    mine = stacked.to(torch.float64) * float(is_reference)
+    reference, compared = _reduced_with_comparison(mine, stacked, plan)
+    # Each gradient has one group, its slot at its stacking position: the sum of its copies.
+    summed = compared[:, 2]
+    entries = torch.where(torch.isfinite(summed), reference, summed).to(stacked.dtype)
+    total = torch.linalg.vector_norm(entries, request.order)
+    differ = _verdict(compared, total, plan)
+    reduced.total = torch.where(differ, math.nan, total)
+    reduced.entries = entries
     reduced.plan, reduced.differ = plan, differ
     return reduced
 
@@ -407,13 +429,13 @@ def _reduced_with_comparison(values: Tensor, stacked: Tensor, plan: Plan) -> tup
     return sums, compared.view_as(comparison)
 
 
-def _verdict(compared: Tensor, total: Tensor) -> Tensor:
+def _verdict(compared: Tensor, total: Tensor, plan: Plan) -> Tensor:
     """Whether the copies differed (the comparison's reduced sums ``compared`` out of their
     tolerance) while the norm ``total`` is finite: a NaN or inf leaves the sums non-finite and
     is answered by the norm itself. False on the fake backend, which moves no data."""
     if not moves_data():
         return torch.zeros((), dtype=torch.bool, device=compared.device)
-    return _copies.differ(compared) & torch.isfinite(total)
+    return _copies.differ(compared, pooled=plan.at.count > 1) & torch.isfinite(total)
 
 
 def _comparison(stacked: Tensor, plan: Plan) -> Tensor:
@@ -524,7 +546,7 @@ def _pipeline(
         )
         entries = values ** (1.0 / order)
         total = values.sum() ** (1.0 / order)
-        differ = _verdict(summed.view_as(comparison), total)
+        differ = _verdict(summed.view_as(comparison), total, plan)
     # The call's one read: the stages' decisions, and the norms (which a report reads).
     read = torch.cat([tail, differ.to(tail).reshape(1), entries, total.reshape(1), present])
     numbers = read.tolist()

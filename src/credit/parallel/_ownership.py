@@ -151,6 +151,7 @@ class Holding:
         replicate_slice: the ranks of the mesh at this rank's coordinates along its Replicate
             dims, any coordinate along the others (this rank alone for a plain tensor; empty
             where this rank is not in the mesh).
+        shard_sizes: the sizes of the mesh dims of ``shard_key``.
     """
 
     description: str
@@ -166,6 +167,7 @@ class Holding:
     replicated: int = 1
     replica_index: int = 0
     replicate_slice: frozenset[int] = frozenset()
+    shard_sizes: tuple[int, ...] = ()
 
 
 # id(spec) -> (spec, holding): keeping the spec alive keeps its id from being reused.
@@ -187,6 +189,16 @@ def holding(grad: Tensor) -> Holding:
     found = _by_value.get(key) or _by_value.put(key, _dtensor_holding(grad))
     _by_spec.put(id(spec), (spec, found))
     return found
+
+
+def holdings(grads: list[Tensor]) -> list[Holding]:
+    """:func:`holding` of each of ``grads``: DTensors seen before in one pass over the cache."""
+    specs = [dtensor_spec(g) if isinstance(g, DTensor) else None for g in grads]
+    known = _by_spec.get_many([id(spec) for spec in specs])
+    return [
+        entry[1] if entry is not None and spec is not None else holding(grad)
+        for grad, spec, entry in zip(grads, specs, known, strict=True)
+    ]
 
 
 def _plain_holding(grad: Tensor) -> Holding:
@@ -243,6 +255,9 @@ def _dtensor_holding(grad: DTensor) -> Holding:
             [coordinate[d] for d in replicate_dims], [mesh.size(d) for d in replicate_dims]
         ),
         replicate_slice=_replicate_slice(mesh, replicate_dims),
+        shard_sizes=tuple(
+            mesh.size(d) for d, placement in enumerate(placements) if not placement.is_replicate()
+        ),
     )
 
 
@@ -355,28 +370,59 @@ def copy_group(
     """
     if dist.get_rank() not in held.mesh_ranks:
         return None
-    mesh_copies = at.size // len(held.mesh_ranks)
     key = held.shard_key
     in_reference_block = lowest in held.mesh_ranks
     share = held.replicate_slice
     confined = False
     if distinct is not None:
-        mesh_copies //= len(distinct)
         key += (sorted(distinct).index(dist.get_rank()),)
         if len(held.mesh_ranks) == 1:
             in_reference_block = lowest in distinct
             share = distinct
         else:  # the group shrinks to the Replicate dims of this rank's own mesh copy
-            if mesh_copies > 1:  # the other blocks of the stage cannot be seen from here
-                mesh_copies = 1
             in_reference_block, confined = True, True
     return CopyGroup(
-        size=mesh_copies * held.replicated,
+        size=copies(held, at, distinct),
         is_reference=in_reference_block and held.replica_index == 0,
         key=key,
         share=share,
         confined=confined,
     )
+
+
+def copies(held: Holding, at: Stages, distinct: frozenset[int] | None) -> int:
+    """How many ranks of a stage hold the values of each shard of ``held`` (see
+    :func:`copy_group`), from its layout alone: the same on every rank that passed it."""
+    mesh_copies = max(at.size // len(held.mesh_ranks), 1)
+    if distinct is not None:
+        # A gradient on a mesh of several ranks: the other blocks cannot be seen from here.
+        mesh_copies = 1 if len(held.mesh_ranks) > 1 else max(mesh_copies // len(distinct), 1)
+    return mesh_copies * held.replicated
+
+
+def copy_slot(held: Holding, at: Stages, distinct: frozenset[int] | None) -> tuple[int, int]:
+    """``(index, count)``: where this rank's copy group of ``held`` sits among the gradient's
+    groups, and how many groups the gradient has in a stage; the count is the same on every rank
+    that passed the same layout, the index the same on every member of a group.
+
+    A group is named by its shard (the coordinates along the dims that split the gradient), its
+    place in ``distinct``, and, where it is confined to a mesh copy, that copy's lowest rank.
+
+    Args:
+        held: what this rank holds of the gradient.
+        at: the stages of the world.
+        distinct: ranks of the group along which the gradient's copies differ, or None.
+    """
+    rank = dist.get_rank()
+    count = math.prod(held.shard_sizes)
+    index = _ravel(list(held.shard_key), list(held.shard_sizes)) if held.shard_key else 0
+    if distinct is not None:
+        count *= len(distinct)
+        index = index * len(distinct) + (sorted(distinct).index(rank) if rank in distinct else 0)
+        if len(held.mesh_ranks) > 1 and at.size > len(held.mesh_ranks) * len(distinct):
+            count *= dist.get_world_size()  # confined to its mesh copy (see copy_group)
+            index = index * dist.get_world_size() + min(held.mesh_ranks)
+    return index, count
 
 
 def universe(group: CopyGroup, held: Holding, stage: frozenset[int]) -> frozenset[int]:

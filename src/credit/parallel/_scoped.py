@@ -48,6 +48,15 @@ class ScopedCache(Generic[_K, _V]):
             self._entries.move_to_end(key)
         return value
 
+    def get_many(self, keys: list[_K]) -> list[_V | None]:
+        """:meth:`get` of each of ``keys``, the default group looked up once."""
+        self._follow_group()
+        found = [self._entries.get(key) for key in keys]
+        for key, value in zip(keys, found, strict=True):
+            if value is not None:
+                self._entries.move_to_end(key)
+        return found
+
     def put(self, key: _K, value: _V) -> _V:
         """Keep ``value`` for ``key`` under the current default group; returns ``value``."""
         self._follow_group()

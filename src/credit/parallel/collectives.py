@@ -204,9 +204,9 @@ def total_grad_norm(
     largest copy is the largest element. Later calls read nothing back to the host and copy
     nothing from it (with ``pp_group``, one read; see the guide's "Host syncs").
 
-    Plain tensors alone are replicas (DDP): each rank returns its own norm with torch's bits,
-    after one small all_reduce that compares the copies and carries a NaN or inf on any rank to
-    every rank. Ranks that train models of their own pass ``per_rank=True`` instead. DTensors on
+    Plain tensors alone are replicas (DDP): every rank returns the norm of the reference copy
+    (the lowest rank's), torch's bits where the copies are bit-identical, after one small
+    all_reduce that compares the copies and carries a NaN or inf on any rank to every rank. Ranks that train models of their own pass ``per_rank=True`` instead. DTensors on
     a mesh spanning the world (FSDP2 over every rank) give the same bits as torch's
     ``clip_grad_norm_(...).full_tensor()``.
 

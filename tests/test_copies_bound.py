@@ -1,0 +1,330 @@
+"""The copies' bound as documented: copies that differ beyond it never yield a number, copies
+within it yield the same number on every rank.
+
+The guide states the test (``docs/guide.rst``, "Copies proven by value"): for each group of ``c``
+copies and each fingerprint column, the spread ``sqrt(sum (f_i - mean f)**2)`` must not exceed
+``tau * mean norm``. One copy that differs from the others by ``e`` has spread
+``e * sqrt((c - 1) / c)``, between ``e / sqrt(2)`` and ``e``: it is caught whenever
+``e > sqrt(2) * tau * mean norm``, whichever copy it is and however many copies there are, and
+passes when ``e < tau * mean norm``. So each case below scales one copy by ``1 + 2 tau`` (caught)
+or ``1 + tau / 2`` (within; ``1 + tau / 8`` on a first call, whose projections a scaled copy
+moves by up to a few times its norm's change), for 2, 3 and 4 copies, the reference copy (rank 0, the stage's
+lowest rank) and another, float32, bfloat16 and float16, on the layout's first call and on a
+later one. Within the bound every rank returns the reference copy's norm, the same bits on every
+rank (the oracle: torch's ``get_total_norm`` of rank 0's gradients).
+
+Then the layouts users train on, each on real gloo ranks: a bfloat16 copy x1.5 under a
+Replicate DTensor, a float32 FSDP2 shard on dp of (dp=2, tp=2) off by ``6 tau``, a bf16 DDP
+model whose boundary backward ran under ``no_sync()``, a second bf16 model initialised per rank;
+the report's groups on plain replicas (a NaN in one rank's copy, copies within the bound); and
+the no-false-alarm runs: bf16 DDP and FSDP2 x TP with SequenceParallel over many steps, measuring
+how far legitimate copies' local norms really are apart (the margin the guide quotes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from layouts import local_bytes, mesh, same_bits_everywhere
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from credit.parallel._compat import local_tensor
+from credit.parallel._copies import fingerprints, tolerance
+from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
+from credit.parallel.grad_sync import sync_replicated_gradients
+from credit.parallel.norm_report import grad_norm_report
+
+COPIES_DIFFER = "holds different values on ranks that the rank maps take for copies"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _error_of(call: Callable[[], object]) -> tuple[str, str] | None:
+    try:
+        call()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+def _refused_everywhere(results: list) -> None:
+    assert all(r is not None and r[0] == "ValueError" for r in results), results
+    assert len({r[1] for r in results}) == 1, "every rank raises the same message"
+    assert COPIES_DIFFER in results[0][1], results[0][1]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The bound: 2, 3 and 4 copies, the reference and another copy, three dtypes, two calls
+
+
+def _scaled_copy(dtype_name: str, deviant: int, factor_in_tau: float, later: bool) -> list:
+    """Plain replicas of three gradients; ``deviant``'s copy of the first scaled by
+    ``1 + factor_in_tau * tau``, on the layout's first call or after a clean call proved it."""
+    dtype = DTYPES[dtype_name]
+    # A shape per case: each case meets its layout for the first time.
+    rows = 4 + 2 * list(DTYPES).index(dtype_name) + int(later) + 8 * int(factor_in_tau > 1)
+    generator = torch.Generator().manual_seed(rows)
+    grads = [torch.randn(rows, 64, generator=generator).to(dtype) for _ in range(3)]
+    if later:
+        assert same_bits_everywhere(total_grad_norm(grads))
+    if dist.get_rank() == deviant:
+        grads[0].mul_(1 + factor_in_tau * tolerance(dtype))
+    reference = grads if dist.get_rank() == 0 else None
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, reference)
+    oracle = torch.nn.utils.get_total_norm(gathered[0])
+    outcome = _error_of(lambda: total_grad_norm(grads))
+    norm = None if outcome is not None else total_grad_norm(grads)
+    return [outcome, None if norm is None else (local_bytes(norm), local_bytes(oracle))]
+
+
+@pytest.mark.parametrize("copies", [2, 3, 4])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_one_copy_beyond_the_bound_raises_and_within_it_every_rank_agrees(
+    ranks, copies, dtype_name
+):
+    for deviant in (0, copies - 1):  # the reference copy, and another
+        for later in (False, True):
+            caught = ranks.run(copies, _scaled_copy, dtype_name, deviant, 2.0, later)
+            _refused_everywhere([r[0] for r in caught])
+            # A first call compares projections too, which a scaled copy moves by the scale
+            # times each projection (up to a few times the norm): there, within is 1 + tau / 8.
+            within_factor = 0.5 if later else 0.125
+            within = ranks.run(copies, _scaled_copy, dtype_name, deviant, within_factor, later)
+            for outcome, bits in within:
+                assert outcome is None, outcome
+                ours, oracle = bits
+                assert torch.equal(ours, within[0][1][0]), "the same bits on every rank"
+                assert torch.equal(ours, oracle), "the reference copy's norm, torch's bits"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The layouts users train on
+
+
+def _replicate_dtensor_bf16_x1_5() -> list:
+    tp = mesh((4,), ("tp",))
+    torch.manual_seed(0)
+    full = torch.randn(16, 16).to(torch.bfloat16)
+    grad = distribute_tensor(full, tp, [Replicate()])
+    total_grad_norm([grad])  # proven
+    if dist.get_rank() == 3:
+        grad._local_tensor.mul_(1.5)
+    return [_error_of(lambda: total_grad_norm([grad]))]
+
+
+def _fsdp_shard_off_by_six_tau() -> list:
+    dp_tp = mesh((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    grad = distribute_tensor(torch.randn(8, 32), dp_tp["dp"], [Shard(0)])
+    total_grad_norm([grad])  # proven: the tp peers of each dp shard are copies
+    if dist.get_rank() == 3:
+        grad._local_tensor.mul_(1 + 6 * tolerance(torch.float32))
+    return [_error_of(lambda: total_grad_norm([grad]))]
+
+
+def _ddp_boundary_under_no_sync() -> list:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4)).bfloat16())
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(4 * dist.get_world_size(), 16).bfloat16()
+    mine = batch.chunk(dist.get_world_size())[dist.get_rank()]
+    model(mine).float().pow(2).mean().backward()  # a synced step proves the layout
+    clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    with model.no_sync():  # the boundary step by mistake: each rank keeps its own batch's grads
+        model(mine * 2).float().pow(2).mean().backward()
+    return [_error_of(lambda: clip_grad_norm_(model.parameters(), 1.0))]
+
+
+def _second_bf16_model_per_rank() -> list:
+    torch.manual_seed(0)
+    first = nn.Linear(16, 16).bfloat16()
+    first(torch.ones(2, 16).bfloat16()).float().pow(2).sum().backward()
+    total_grad_norm([p.grad for p in first.parameters()])  # proves the shapes
+    torch.manual_seed(1 + dist.get_rank())
+    second = nn.Linear(16, 16).bfloat16()
+    second(torch.ones(2, 16).bfloat16()).float().pow(2).sum().backward()
+    return [_error_of(lambda: clip_grad_norm_(second.parameters(), 1.0))]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        _replicate_dtensor_bf16_x1_5,
+        _fsdp_shard_off_by_six_tau,
+        _ddp_boundary_under_no_sync,
+        _second_bf16_model_per_rank,
+    ],
+    ids=["replicate_dtensor_bf16_x1.5", "fsdp_dp_x_tp_6tau", "ddp_no_sync_bf16", "second_model"],
+)
+def test_copies_that_users_get_wrong_raise_on_every_rank(ranks, body):
+    _refused_everywhere([r[0] for r in ranks.run(4, body)])
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The report's groups on plain replicas: the same value on every rank
+
+
+def _report_on_plain_replicas(poison: float | None) -> list:
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("fc1", nn.Linear(8, 8))
+    model.add_module("fc2", nn.Linear(8, 2))
+    model(torch.ones(2, 8)).pow(2).sum().backward()
+    total_grad_norm([p.grad for p in model.parameters()])  # proven
+    weight = model.fc1.weight.grad
+    assert weight is not None
+    if dist.get_rank() == 3:
+        if poison is None:  # within the tolerance: not bit-identical, not beyond the bound
+            weight.mul_(1 + 2e-6)
+        else:
+            weight[1, 2] = poison
+    report = grad_norm_report(model.named_parameters(), group_by=lambda name, _: name.split(".")[0])
+    total = total_grad_norm([p.grad for p in model.parameters()])
+    return [report, local_bytes(total)]
+
+
+@pytest.mark.parametrize("poison", [None, math.nan], ids=["within", "nan"])
+def test_the_report_on_plain_replicas_is_the_same_on_every_rank(ranks, poison):
+    results = ranks.run(4, _report_on_plain_replicas, poison)
+    groups, total = results[0]
+    for other_groups, other_total in results[1:]:
+        assert other_groups.keys() == groups.keys()
+        for name, value in groups.items():
+            same = other_groups[name] == value or (
+                math.isnan(value) and math.isnan(other_groups[name])
+            )
+            assert same, (name, value, other_groups[name])
+        assert torch.equal(other_total, total)
+    if poison is not None:
+        fc1 = [name for name in groups if "fc1" in name]
+        assert fc1, groups.keys()
+        assert all(math.isnan(groups[name]) for name in fc1), groups
+        assert all(math.isfinite(groups[name]) for name in groups if "fc2" in name), groups
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. No false alarm over many steps of real bf16 training, and the margin measured
+
+
+STEPS = 12
+
+
+def _relative_spread(norms: Tensor, group: dist.ProcessGroup | None = None) -> float:
+    """How far the copies' local norms ``norms`` (one per gradient) are apart over ``group``
+    (default: the world), relative to the largest."""
+    gathered = [torch.zeros_like(norms) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, norms, group=group)
+    stacked = torch.stack(gathered).double()
+    return float(((stacked.amax(0) - stacked.amin(0)) / stacked.amax(0).clamp_min(1e-30)).max())
+
+
+def _bf16_ddp_steps() -> list:
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)).bfloat16()
+    model = DistributedDataParallel(layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    spreads, norms = [], []
+    for step in range(STEPS):
+        batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).bfloat16()
+        model(batch.chunk(4)[dist.get_rank()]).float().pow(2).mean().backward()
+        local = torch.stack([p.grad.float().norm() for p in model.parameters()])
+        spreads.append(_relative_spread(local))
+        norms.append(local_bytes(clip_grad_norm_(model.parameters(), 1.0)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return [max(spreads), norms]
+
+
+class _SequenceParallelBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(x + self.down(torch.tanh(self.up(self.norm(x)))))
+
+
+def _bf16_fsdp_tp_sp_steps() -> list:
+    """FSDP2 on dp x TP with SequenceParallel, bf16 parameters and reductions; the trainer's
+    sequence (backward, sync_replicated_gradients, clip, step) on each tp rank's slice of the
+    sequence. The head's tp peers are copies once synced: their spread is measured."""
+    dp_tp = mesh((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    model = _SequenceParallelBlock()
+    plan = {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    parallelize_module(model, dp_tp["tp"], plan)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    fully_shard(model, mesh=dp_tp["dp"], mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dp_rank, tp_rank = dp_tp.get_coordinate()  # type: ignore[misc]
+    spreads, norms = [], []
+    for step in range(STEPS):
+        sequence = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(step))
+        model(sequence.chunk(2)[dp_rank].chunk(2, dim=1)[tp_rank]).float().pow(2).mean().backward()
+        sync_replicated_gradients(model, dp_tp["tp"])
+        head = torch.stack([local_tensor(p.grad).float().norm() for p in model.head.parameters()])
+        spreads.append(_relative_spread(head, dp_tp["tp"].get_group()))
+        norms.append(local_bytes(clip_grad_norm_(model.parameters(), 1.0)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return [max(spreads), norms]
+
+
+@pytest.mark.parametrize(
+    "body", [_bf16_ddp_steps, _bf16_fsdp_tp_sp_steps], ids=["ddp", "fsdp_tp_sp"]
+)
+def test_legitimate_bf16_copies_never_raise_over_many_steps(ranks, body):
+    results = ranks.run(4, body, timeout_s=180)
+    tau = tolerance(torch.bfloat16)
+    for spread, norms in results:
+        assert spread <= tau / 8, f"legitimate copies {spread:.2g} apart, tau {tau:.2g}"
+        assert len(norms) == STEPS
+        for step, norm in enumerate(norms):
+            assert torch.equal(norm, results[0][1][step]), "the same norm on every rank"
+            assert norm.numel() > 0
+
+
+def test_reduce_order_roundings_stay_far_below_tau():
+    """What legitimate copies differ by when computed apart: eight addends summed in another
+    order (as two groups' collectives may), or with one rounding, in the reduce dtype; the
+    fingerprints' largest difference, relative to the norm, over 50 tensors of 33 to 165,000
+    elements. The guide quotes these margins: about 75x in float32, 5x in bfloat16, 3.5x in
+    float16 on this machine."""
+    for dtype in DTYPES.values():
+        worst = 0.0
+        for seed in range(50):
+            generator = torch.Generator().manual_seed(seed)
+            rows = (1, 7, 64, 1000, 5000)[seed % 5]
+            parts = [torch.randn(rows, 33, generator=generator).to(dtype) for _ in range(8)]
+            forward, backward = parts[0].clone(), parts[-1].clone()
+            for part in parts[1:]:
+                forward = forward + part
+            for part in reversed(parts[:-1]):
+                backward = backward + part
+            once = torch.stack(parts).float().sum(0).to(dtype)
+            prints = fingerprints([forward, backward, once], torch.device("cpu"))
+            for a, b in ((0, 1), (0, 2), (1, 2)):
+                worst = max(worst, float((prints[a] - prints[b]).abs().max() / prints[a][0]))
+        assert 0.0 < worst <= tolerance(dtype) / 2, (dtype, worst)
