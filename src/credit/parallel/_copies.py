@@ -63,6 +63,27 @@ _SUMMATION = 2.0**-51
 
 
 @dataclass(frozen=True)
+class Slots:
+    """Where the gradients' sums go: a slot per group of copies within a stage, or one slot per
+    pipeline stage, pooled over its groups.
+
+    Attributes:
+        of: the slot of each gradient (this rank's group's, or its stage's).
+        count: the number of slots, the same on every rank.
+        limits: per slot, the number of copies of its group and their tolerance; None where the
+            slots are pooled (each group's tolerance then travels in the sums).
+    """
+
+    of: list[int]
+    count: int
+    limits: list[tuple[float, float]] | None = None
+
+    @property
+    def pooled(self) -> bool:
+        return self.limits is None
+
+
+@dataclass(frozen=True)
 class Plan:
     """How this rank's gradients enter the comparison of copies, fixed per layout.
 
@@ -70,11 +91,12 @@ class Plan:
         groups: each gradient's copy group on this rank (None where it holds nothing).
         compared: the gradients with copies (groups larger than one), the only ones fingerprinted.
         slot_count: how many slots of sums, the same on every rank.
-        pooled: whether a slot pools the groups of many gradients (one slot per pipeline
-            stage) rather than holding one group of copies.
-        factors: per compared gradient, the constants of its addends, float64 on the device:
-            ``tau`` (shape (len(compared), 1)) for a slot per group; ``rho * (ref - 1 / c)`` and
-            ``rho * (ref + 1 / c) * tau`` (shape (len(compared), 2)) for pooled slots.
+        pooled: whether a slot pools the groups of many gradients (see :class:`Slots`).
+        factors: per compared gradient, ``rho * (ref - 1 / c)`` and ``rho * (ref + 1 / c) * tau``
+            where the slots are pooled (shape (len(compared), 2)), float64 on the device; empty
+            otherwise.
+        limits: per slot, its copies and their tolerance (shape (slot_count, 2)), float64 on the
+            device; empty where the slots are pooled.
         slots: per compared gradient, the slot it adds into, an index tensor on the device.
         positions: per compared gradient, the place of its norm among the call's stacked norms,
             an index tensor on the device (for the comparison of every call).
@@ -85,6 +107,7 @@ class Plan:
     slot_count: int
     pooled: bool
     factors: Tensor
+    limits: Tensor
     slots: Tensor
     positions: Tensor
 
@@ -92,48 +115,48 @@ class Plan:
 def plan(
     held: list[Holding],
     groups: list[CopyGroup | None],
-    slot_of: list[int],
-    slot_count: int,
+    slots: Slots,
     position_of: list[int],
     device: torch.device,
-    *,
-    pooled: bool = False,
 ) -> Plan:
     """The :class:`Plan` of one layout, its constants on ``device`` in one host-to-device copy.
 
     Args:
         held: what this rank holds of each gradient.
         groups: each gradient's copy group on this rank.
-        slot_of: the slot each gradient adds into (its group's, or its stage's where pooled).
-        slot_count: the number of slots.
+        slots: where each gradient's sums go.
         position_of: the place of each gradient's norm among the stacked norms of a call.
         device: where the comparison's tensors live.
-        pooled: a slot pools groups of copies (see :attr:`Plan.pooled`).
     """
     compared = [i for i, group in enumerate(groups) if group is not None and group.size > 1]
     rows = []
     for index in compared:
         group = groups[index]
         assert group is not None
-        tau = tolerance(held[index].dtype)
-        factors = [tau]
-        if pooled:
+        factors = []
+        if slots.pooled:
             rho = _pseudo_random(index, *group.key)
             ref = 1.0 if group.is_reference else 0.0
+            tau = tolerance(held[index].dtype)
             factors = [rho * (ref - 1.0 / group.size), rho * (ref + 1.0 / group.size) * tau]
-        rows.append([*factors, float(slot_of[index]), float(position_of[index])])
-    width = 2 if pooled else 1
-    constants = torch.zeros(0, width + 2, dtype=torch.float64, device=device)
-    if rows:  # one copy, where some gradient has copies
-        constants = torch.tensor(rows, dtype=torch.float64, device=device)
+        rows.append([*factors, float(slots.of[index]), float(position_of[index])])
+    width = 4 if slots.pooled else 2
+    limits = slots.limits or []
+    flat = [value for row in rows for value in row] + [value for pair in limits for value in pair]
+    packed = torch.zeros(0, dtype=torch.float64, device=device)
+    if flat:  # one copy, where some gradient has copies
+        packed = torch.tensor(flat, dtype=torch.float64, device=device)
+    constants, on_device = packed.split([len(rows) * width, 2 * len(limits)])
+    constants = constants.view(len(rows), width)
     return Plan(
         groups=groups,
         compared=compared,
-        slot_count=slot_count,
-        pooled=pooled,
-        factors=constants[:, :width],
-        slots=constants[:, width].long(),
-        positions=constants[:, width + 1].long(),
+        slot_count=slots.count,
+        pooled=slots.pooled,
+        factors=constants[:, : width - 2],
+        limits=on_device.view(len(limits), 2),
+        slots=constants[:, width - 2].long(),
+        positions=constants[:, width - 1].long(),
     )
 
 
@@ -196,7 +219,7 @@ def _patterns(device: torch.device) -> Tensor:
 
 def width(plan: Plan, columns: int) -> int:
     """How many sums a slot holds for fingerprints of ``columns`` columns."""
-    return 4 * columns if plan.pooled else 2 + 2 * columns
+    return 4 * columns if plan.pooled else 2 * columns
 
 
 def terms(plan: Plan, local: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
@@ -221,10 +244,10 @@ def terms_of(plan: Plan, prints: Tensor) -> Tensor:
     gradient, in float64: full fingerprints, or the local norms alone), shape (slot_count,
     width). A NaN or inf fingerprint makes its slot's sums NaN or inf.
 
-    A slot per group of copies sums, over its members, ``1``, ``tau``, each column ``f`` and
-    ``f**2`` (see :func:`differ`). Pooled slots sum ``coefficient * f``, ``coefficient * f**2``
-    and their tolerances, ``scale * (|x| + |f|)`` and ``scale * (|x| + |f|)**2``, ``|x|`` being
-    the norm (the first column): the difference between each group's reference and its mean.
+    A slot per group of copies sums, over its members, each column ``f`` and ``f**2`` (see
+    :func:`differ`). Pooled slots sum ``coefficient * f``, ``coefficient * f**2`` and their
+    tolerances, ``scale * (|x| + |f|)`` and ``scale * (|x| + |f|)**2``, ``|x|`` being the norm
+    (the first column): the difference between each group's reference and its mean.
     """
     columns = prints.shape[1]
     summed = torch.zeros(
@@ -242,34 +265,37 @@ def terms_of(plan: Plan, prints: Tensor) -> Tensor:
             scales * bound**2,
         ]
     else:
-        addends = [torch.ones_like(plan.factors), plan.factors, prints, prints**2]
+        addends = [prints, prints**2]
     return summed.index_add_(0, plan.slots, torch.cat(addends, dim=1))
 
 
-def differ(summed: Tensor, *, pooled: bool) -> Tensor:
+def differ(summed: Tensor, limits: Tensor | None) -> Tensor:
     """Whether any slot of :func:`terms_of`, reduced over the world, holds copies that differ
     beyond the tolerance (a NaN too): a boolean scalar beside the sums, not read on the host.
-    ``pooled``: the slots are pooled (see :attr:`Plan.pooled`)."""
-    if pooled:
+
+    Args:
+        summed: the reduced sums.
+        limits: each slot's copies and tolerance (:attr:`Plan.limits`); None for pooled slots.
+    """
+    if limits is None:
         first, second, first_bound, second_bound = summed.split(summed.shape[1] // 4, dim=1)
         within = (first.abs() <= first_bound).all() & (second.abs() <= second_bound).all()
         return ~within
-    return _grouped_differ(summed)
+    return _grouped_differ(summed, limits)
 
 
-def _grouped_differ(summed: Tensor) -> Tensor:
+def _grouped_differ(summed: Tensor, limits: Tensor) -> Tensor:
     """The test of a slot per group of ``c`` copies, column by column: the spread of the copies'
     fingerprints about their mean, ``sqrt(sum (f - mean f)**2) = sqrt(S2 - S1**2 / c)``, must not
     exceed ``tau`` times the copies' mean norm. Beside it, the float64 rounding of the sums: ``S1``
     errs by at most ``(c - 1) 2**-53 sum |f| <= (c - 1) 2**-53 sqrt(c S2)``, so ``S1**2 / c`` by
     about ``2 (c - 1) 2**-53 S2``, ``S2`` by ``(c - 1) 2**-53 S2``: ``c 2**-51 S2`` covers both.
     """
-    columns = (summed.shape[1] - 2) // 2
-    count, tau, first, second = summed.split([1, 1, columns, columns], dim=1)
-    copies = count.clamp_min(1.0)
+    first, second = summed.split(summed.shape[1] // 2, dim=1)
+    copies, tau = limits[:, :1], limits[:, 1:]
     mean = first / copies
     spread = second - first * mean  # the sum of squared deviations from the mean
-    allowed = (tau / copies * mean[:, :1]) ** 2 + copies * _SUMMATION * second
+    allowed = (tau * mean[:, :1]) ** 2 + copies * _SUMMATION * second
     return ~(spread <= allowed).all()
 
 

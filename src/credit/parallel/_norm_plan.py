@@ -295,7 +295,7 @@ def verify(
         [
             coverage.abs().ge(0.5).any() | (flags[0] > 0),  # integers, exact in float64
             flags[1] > 0,
-            _copies.differ(summed.view_as(sums), pooled=copies.pooled),
+            _copies.differ(summed.view_as(sums), None if copies.pooled else copies.limits),
         ]
     )
     broken, nonfinite_anywhere, differ = verdict.tolist()  # the first call's one read
@@ -332,27 +332,25 @@ def _copies_plan(plan: Plan, lowest: int, compare: bool = True) -> _copies.Plan:
     position_of = [0] * len(plan.held)
     for position, index in enumerate(plan.order.stacked):
         position_of[index] = position
-    if at.count > 1:
-        slot_of, slot_count = [at.index] * len(plan.held), at.count
-    else:
-        slot_of, slot_count = _group_slots(plan)
-    device = plan.order.device
-    return _copies.plan(
-        plan.held, groups, slot_of, slot_count, position_of, device, pooled=at.count > 1
+    slots = (
+        _group_slots(plan) if at.count == 1 else _copies.Slots([at.index] * len(groups), at.count)
     )
+    return _copies.plan(plan.held, groups, slots, position_of, plan.order.device)
 
 
-def _group_slots(plan: Plan) -> tuple[list[int], int]:
-    """The slot of each gradient's copy group, gradients with copies in stacking order, and the
-    number of slots: the same on every rank of a single stage that passed the layout."""
-    slot_of, slot_count = [0] * len(plan.held), 0
+def _group_slots(plan: Plan) -> _copies.Slots:
+    """A slot per group of copies, gradients in stacking order: the same on every rank of a
+    single stage that passed the layout (``_ownership.copy_slot``)."""
+    slot_of = [0] * len(plan.held)
+    limits: list[tuple[float, float]] = []
     for index in plan.order.stacked:
         held, distinct = plan.held[index], plan.distinct[index]
-        if _ownership.copies(held, plan.at, distinct) > 1:
+        copies = _ownership.copies(held, plan.at, distinct)
+        if copies > 1:
             group, count = _ownership.copy_slot(held, plan.at, distinct)
-            slot_of[index] = slot_count + group
-            slot_count += count
-    return slot_of, slot_count
+            slot_of[index] = len(limits) + group
+            limits += [(float(copies), _copies.tolerance(held.dtype))] * count
+    return _copies.Slots(slot_of, len(limits), limits)
 
 
 # ---------------------------------------------------------------------------------------------

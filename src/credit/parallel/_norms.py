@@ -408,8 +408,9 @@ def _replicas(local: list[Tensor], plan: Plan, request: NormRequest) -> Reduced:
     is_reference = any(g is not None and g.is_reference for g in copies.groups)
     mine = stacked.to(torch.float64) * float(is_reference)
     reference, compared = _reduced_with_comparison(mine, stacked, plan)
-    # Each gradient has one group, its slot at its stacking position: the sum of its copies.
-    summed = compared[:, 2]
+    # Each gradient has one group, its slot at its stacking position: the sum of its copies'
+    # norms (the first column) is non-finite where any copy is.
+    summed = compared[:, 0]
     entries = torch.where(torch.isfinite(summed), reference, summed).to(stacked.dtype)
     total = torch.linalg.vector_norm(entries, request.order)
     differ = _verdict(compared, total, plan)
@@ -435,7 +436,11 @@ def _verdict(compared: Tensor, total: Tensor, plan: Plan) -> Tensor:
     is answered by the norm itself. False on the fake backend, which moves no data."""
     if not moves_data():
         return torch.zeros((), dtype=torch.bool, device=compared.device)
-    return _copies.differ(compared, pooled=plan.at.count > 1) & torch.isfinite(total)
+    limits = None  # across stages the slots are pooled (a rank may not have its plan yet)
+    if plan.at.count == 1:
+        assert plan.copies is not None  # built by the layout's verification
+        limits = plan.copies.limits
+    return _copies.differ(compared, limits) & torch.isfinite(total)
 
 
 def _comparison(stacked: Tensor, plan: Plan) -> Tensor:
