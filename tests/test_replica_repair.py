@@ -19,7 +19,8 @@ checked to agree, at 4 real gloo ranks.
   naming a source whose row is corrupted: the check names the memory shared on some ranks only,
   the repair is refused on every rank with the same error, every byte left as it was; with
   memory of its own (``clone()``), or from a source whose bits agree where the tensors share
-  memory, the repair goes on and every rank holds the bits before the plant. In one process,
+  memory, the repair goes on and every rank holds the bits before the plant, as it does for one
+  state tensor under two names on every rank. In one process,
   the pairs of tensors found sharing memory against the bytes each occupies, enumerated.
 - Arguments: ``repair_from``, ``repair`` or ``buffers`` that differ across ranks (one rank's
   ``repair_from`` outside the world too) raise the same ValueError on every rank, naming the
@@ -466,6 +467,25 @@ def _state_by_reference() -> dict[str, Any]:
     )
 
 
+def _state_aliased_everywhere() -> dict[str, Any]:
+    """``state["exp_avg_sq"] = state["exp_avg"]`` on every rank, rank 3's flipped: one tensor
+    under two names, repaired through either."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = _adamw(model, 1, lambda: model(torch.ones(2, 4)).pow(2).sum())
+    state = optimizer.state[model.weight]
+    state["exp_avg_sq"] = state["exp_avg"]
+    before = _snapshot(model, optimizer)
+    _flip([state["exp_avg"]])
+    record = {"check": _attempt(lambda: verify_replicas(model, optimizer))}
+    record["repaired"] = _attempt(lambda: verify_replicas(model, optimizer, repair=True))
+    after = _snapshot(model, optimizer)
+    record["restored"] = _same(before, after)
+    record["as rank 0"] = _same(after, _everyone(after)[0])
+    record["after"] = _attempt(lambda: verify_replicas(model, optimizer))
+    return record
+
+
 class _Table(nn.Module):
     """A table and its first row, both parameters: the row a view into the table."""
 
@@ -558,6 +578,10 @@ def test_optimizer_state_aliased_on_one_rank_is_named_and_never_written_through(
         f"does not: writing {name} would change exp_avg of weight on rank 3",
     )
     _expect_repaired(results, [(name, 0, (PLANTED,))])
+    # The same tensor under both names on every rank: repaired as before.
+    results = ranks.run(WORLD, _state_aliased_everywhere)
+    assert "shares memory" not in results[0]["check"]["raised"]
+    _expect_repaired(results, [("exp_avg of weight", 0, (PLANTED,)), (name, 0, (PLANTED,))])
 
 
 def test_views_shared_alike_on_every_rank_never_spread_a_corrupted_source(ranks):

@@ -525,11 +525,11 @@ def _written_through(slots: list[Slot], stages: _Stages) -> list[str]:
     once, with the ranks it holds on); empty where every such write puts there the bits that
     each tensor sharing it takes or keeps.
 
-    The source's bytes are its elements; where they land in memory that the copy shares with
-    ``other``, they are the source rank's bits of ``other`` if and only if the two share memory
-    alike there (the same distance, strides and shapes). Those must then be the bits that
-    ``other`` holds after the repair: its own source's, where it is repaired too, else its
-    own. Digests tell, as they tell copies apart.
+    The source's bytes are its elements. Where the copy shares memory with ``other`` as the
+    source does with its rank's ``other`` (the same distance, strides and shapes), the bytes that
+    land there are that rank's bits of ``other``, which must be the bits ``other`` holds after
+    the repair: its own source's, where it is repaired too, else its own. Digests tell, as they
+    tell copies apart. Memory shared otherwise, or not on the source's rank, is refused.
     """
     takes = {(s.stage, r, s.name): s.mismatch.reference for s in slots for r in s.targets}
     found: dict[tuple[str, str, int, str, int | None], list[int]] = {}
