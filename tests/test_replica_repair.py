@@ -128,7 +128,15 @@ def _outcome(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[
     planted = _snapshot(model, optimizer)
     record: dict[str, Any] = {"check": _attempt(lambda: verify_replicas(model, optimizer))}
     record["check left alone"] = _same(planted, _snapshot(model, optimizer))
-    record["repair"] = _attempt(lambda: verify_replicas(model, optimizer, repair=True))
+    return record | _repaired(model, optimizer, before, repair=True)
+
+
+def _repaired(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, before: Any, **arguments: Any
+) -> dict[str, Any]:
+    """A repair with ``arguments``; every rank's bits after it against rank 0's and against
+    ``before``; and a last check."""
+    record = {"repair": _attempt(lambda: verify_replicas(model, optimizer, **arguments))}
     after = _snapshot(model, optimizer)
     record["restored"] = _same(before, after)
     record["as rank 0"] = _same(after, _everyone(after)[0])
@@ -384,26 +392,22 @@ def _shared(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     plant: Callable[[], None],
-    refused: dict[str, Any],
+    refused_with: dict[str, Any],
     remedy: Callable[[], None],
-    repaired: dict[str, Any],
+    repaired_with: dict[str, Any],
 ) -> dict[str, Any]:
-    """Plant; the check and a repair with the keywords ``refused``, both to leave every bit of
-    every tensor and storage alone; then the remedy, a repair with ``repaired`` and a last check,
-    and every rank's bits after it against rank 0's and against the bits before the plant."""
+    """Plant; the check and a repair with the keywords ``refused_with``, both to leave every bit
+    of every tensor and storage alone; then the remedy, a repair with ``repaired_with`` and a
+    last check, and every rank's bits after it against rank 0's and against the bits before the
+    plant."""
     before = _snapshot(model, optimizer)
     plant()
     planted = _snapshot(model, optimizer)
     record: dict[str, Any] = {"check": _attempt(lambda: verify_replicas(model, optimizer))}
-    record["refused"] = _attempt(lambda: verify_replicas(model, optimizer, **refused))
+    record["refused"] = _attempt(lambda: verify_replicas(model, optimizer, **refused_with))
     record["left alone"] = _same(planted, _snapshot(model, optimizer))
     remedy()
-    record["repaired"] = _attempt(lambda: verify_replicas(model, optimizer, **repaired))
-    after = _snapshot(model, optimizer)
-    record["restored"] = _same(before, after)
-    record["as rank 0"] = _same(after, _everyone(after)[0])
-    record["after"] = _attempt(lambda: verify_replicas(model, optimizer))
-    return record
+    return record | _repaired(model, optimizer, before, **repaired_with)
 
 
 def _on_planted_rank(action: Callable[[], None]) -> Callable[[], None]:
@@ -477,13 +481,8 @@ def _state_aliased_everywhere() -> dict[str, Any]:
     state["exp_avg_sq"] = state["exp_avg"]
     before = _snapshot(model, optimizer)
     _flip([state["exp_avg"]])
-    record = {"check": _attempt(lambda: verify_replicas(model, optimizer))}
-    record["repaired"] = _attempt(lambda: verify_replicas(model, optimizer, repair=True))
-    after = _snapshot(model, optimizer)
-    record["restored"] = _same(before, after)
-    record["as rank 0"] = _same(after, _everyone(after)[0])
-    record["after"] = _attempt(lambda: verify_replicas(model, optimizer))
-    return record
+    check = _attempt(lambda: verify_replicas(model, optimizer))
+    return {"check": check} | _repaired(model, optimizer, before, repair=True)
 
 
 class _Table(nn.Module):
@@ -546,7 +545,7 @@ def _expect_refused(results: list[dict[str, Any]], start: str) -> None:
 
 def _expect_repaired(results: list[dict[str, Any]], repaired: list[tuple[Any, ...]]) -> None:
     for rank, record in enumerate(results):
-        assert record["repaired"] == {"raised": None, "repaired": repaired}, f"rank {rank}"
+        assert record["repair"] == {"raised": None, "repaired": repaired}, f"rank {rank}"
         assert record["restored"] and record["as rank 0"], f"rank {rank}"
         assert record["after"] == {"raised": None, "repaired": []}, f"rank {rank}"
 
