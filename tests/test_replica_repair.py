@@ -13,6 +13,15 @@ checked to agree, at 4 real gloo ranks.
   dim along which the source's values vary, or its rows overlap in memory) raises the same error
   on every rank and leaves every byte of every storage on every rank, and the optimizer's state,
   as they were.
+- Memory shared with another tensor: an EMA buffer re-created by reference on rank 3
+  (``m.ema = m.w.detach()``), AdamW's ``exp_avg_sq`` made ``exp_avg`` on rank 3, a row viewed at
+  another offset on rank 3, and ``row`` a view of ``table`` on every rank with ``repair_from``
+  naming a source whose row is corrupted: the check names the memory shared on some ranks only,
+  the repair is refused on every rank with the same error, every byte left as it was; with
+  memory of its own (``clone()``), or from a source whose bits agree where the tensors share
+  memory, the repair goes on and every rank holds the bits before the plant, as it does for one
+  state tensor under two names on every rank. In one process,
+  the pairs of tensors found sharing memory against the bytes each occupies, enumerated.
 - Arguments: ``repair_from``, ``repair`` or ``buffers`` that differ across ranks (one rank's
   ``repair_from`` outside the world too) raise the same ValueError on every rank, naming the
   argument and each rank's value, with nothing modified.
@@ -24,13 +33,14 @@ every rank's message compared with rank 0's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from credit.parallel import _digests
+from credit.parallel import _aliasing, _digests
 from credit.parallel._compat import local_tensor
 from credit.parallel.replicas import ReplicaMismatchError, verify_replicas
 
@@ -118,7 +128,15 @@ def _outcome(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[
     planted = _snapshot(model, optimizer)
     record: dict[str, Any] = {"check": _attempt(lambda: verify_replicas(model, optimizer))}
     record["check left alone"] = _same(planted, _snapshot(model, optimizer))
-    record["repair"] = _attempt(lambda: verify_replicas(model, optimizer, repair=True))
+    return record | _repaired(model, optimizer, before, repair=True)
+
+
+def _repaired(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, before: Any, **arguments: Any
+) -> dict[str, Any]:
+    """A repair with ``arguments``; every rank's bits after it against rank 0's and against
+    ``before``; and a last check."""
+    record = {"repair": _attempt(lambda: verify_replicas(model, optimizer, **arguments))}
     after = _snapshot(model, optimizer)
     record["restored"] = _same(before, after)
     record["as rank 0"] = _same(after, _everyone(after)[0])
@@ -365,6 +383,289 @@ def test_a_repair_that_cannot_be_written_on_one_rank_raises_on_every_rank_modify
         assert record["unchanged"], f"rank {rank}: a failed repair modified something"
         expected = [] if rank == PLANTED else ["exp_avg", "exp_avg_sq", "step"]
         assert record["state"] == expected, f"rank {rank}"
+
+
+# --- memory shared with another tensor ------------------------------------------------------
+
+
+def _shared(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    plant: Callable[[], None],
+    refused_with: dict[str, Any],
+    remedy: Callable[[], None],
+    repaired_with: dict[str, Any],
+) -> dict[str, Any]:
+    """Plant; the check and a repair with the keywords ``refused_with``, both to leave every bit
+    of every tensor and storage alone; then the remedy, a repair with ``repaired_with`` and a
+    last check, and every rank's bits after it against rank 0's and against the bits before the
+    plant."""
+    before = _snapshot(model, optimizer)
+    plant()
+    planted = _snapshot(model, optimizer)
+    record: dict[str, Any] = {"check": _attempt(lambda: verify_replicas(model, optimizer))}
+    record["refused"] = _attempt(lambda: verify_replicas(model, optimizer, **refused_with))
+    record["left alone"] = _same(planted, _snapshot(model, optimizer))
+    remedy()
+    return record | _repaired(model, optimizer, before, **repaired_with)
+
+
+def _on_planted_rank(action: Callable[[], None]) -> Callable[[], None]:
+    return lambda: action() if dist.get_rank() == PLANTED else None
+
+
+class _WithEma(nn.Module):
+    """A weight and its exponential moving average, a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(4, 8))
+        self.register_buffer("ema", self.w.detach().clone())
+
+
+def _ema_by_reference() -> dict[str, Any]:
+    """Rank 3 resumes with its EMA re-created by reference (``m.ema = m.w.detach()``), the
+    others with a copy of their own; the remedy gives rank 3's EMA memory of its own."""
+    model = _WithEma()
+    optimizer = _adamw(model, 2, lambda: model.w.pow(2).sum())
+    model.ema.lerp_(model.w.detach(), 0.1)
+
+    def resume() -> None:
+        model.ema = model.w.detach()
+
+    def own_memory() -> None:
+        model.ema = model.ema.clone()
+
+    return _shared(
+        model,
+        optimizer,
+        _on_planted_rank(resume),
+        {"repair": True},
+        _on_planted_rank(own_memory),
+        {"repair": True},
+    )
+
+
+def _state_by_reference() -> dict[str, Any]:
+    """Rank 3's AdamW state with ``state["exp_avg_sq"] = state["exp_avg"]`` after a step; the
+    remedy gives its ``exp_avg_sq`` memory of its own."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = _adamw(model, 1, lambda: model(torch.ones(2, 4)).pow(2).sum())
+    state = optimizer.state[model.weight]
+
+    def alias() -> None:
+        state["exp_avg_sq"] = state["exp_avg"]
+
+    def own_memory() -> None:
+        state["exp_avg_sq"] = state["exp_avg_sq"].clone()
+
+    return _shared(
+        model,
+        optimizer,
+        _on_planted_rank(alias),
+        {"repair": True},
+        _on_planted_rank(own_memory),
+        {"repair": True},
+    )
+
+
+def _state_aliased_everywhere() -> dict[str, Any]:
+    """``state["exp_avg_sq"] = state["exp_avg"]`` on every rank, rank 3's flipped: one tensor
+    under two names, repaired through either."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = _adamw(model, 1, lambda: model(torch.ones(2, 4)).pow(2).sum())
+    state = optimizer.state[model.weight]
+    state["exp_avg_sq"] = state["exp_avg"]
+    before = _snapshot(model, optimizer)
+    _flip([state["exp_avg"]])
+    check = _attempt(lambda: verify_replicas(model, optimizer))
+    return {"check": check} | _repaired(model, optimizer, before, repair=True)
+
+
+class _Table(nn.Module):
+    """A table and its first row, both parameters: the row a view into the table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Parameter(torch.randn(4, 8))
+        self.row = nn.Parameter(self.table.detach()[0])
+
+
+def _row_of_table() -> dict[str, Any]:
+    """``row`` corrupted on rank 2 (so row 0 of its ``table`` too), ``table`` (row 2) on rank 3;
+    a repair from ``repair_from=[2]``, then from ``repair_from=[0]``."""
+    model = _Table()
+
+    @torch.no_grad()
+    def plant() -> None:
+        if dist.get_rank() == 2:
+            _integers(model.row)[1] ^= 1
+        if dist.get_rank() == 3:
+            _integers(model.table)[2, 3] ^= 1
+
+    record = _shared(
+        model,
+        None,
+        plant,
+        {"repair": True, "repair_from": [2]},
+        lambda: None,
+        {"repair": True, "repair_from": [0]},
+    )
+    record["views"] = (
+        model.row.untyped_storage().data_ptr() == model.table.untyped_storage().data_ptr()
+    )
+    return record
+
+
+def _row_elsewhere() -> dict[str, Any]:
+    """Rank 3's ``row`` re-made as a view of the table's row 1, the others' of row 0."""
+    model = _Table()
+    if dist.get_rank() == PLANTED:
+        model.row = nn.Parameter(model.table.detach()[1])
+    planted = _snapshot(model, None)
+    record = {"check": _attempt(lambda: verify_replicas(model))}
+    record["refused"] = _attempt(lambda: verify_replicas(model, repair=True))
+    record["left alone"] = _same(planted, _snapshot(model, None))
+    return record
+
+
+def _expect_refused(results: list[dict[str, Any]], start: str) -> None:
+    message = results[0]["refused"]["raised"]
+    assert message is not None and message.startswith(start), message
+    assert "Nothing was modified" in message
+    for rank, record in enumerate(results):
+        assert record["refused"]["raised"] == message, f"rank {rank}"
+        assert record["check"]["raised"] == results[0]["check"]["raised"], f"rank {rank}"
+        assert record["left alone"], f"rank {rank}: a refused repair modified something"
+
+
+def _expect_repaired(results: list[dict[str, Any]], repaired: list[tuple[Any, ...]]) -> None:
+    for rank, record in enumerate(results):
+        assert record["repair"] == {"raised": None, "repaired": repaired}, f"rank {rank}"
+        assert record["restored"] and record["as rank 0"], f"rank {rank}"
+        assert record["after"] == {"raised": None, "repaired": []}, f"rank {rank}"
+
+
+def test_a_copy_re_created_by_reference_on_one_rank_is_named_and_never_written_through(ranks):
+    results = ranks.run(WORLD, _ema_by_reference)
+    check = results[0]["check"]["raised"]
+    assert "ema (rank 3 differs from rank 0; a strict majority holds rank 0's copy)" in check
+    assert "ema shares memory with w on rank 3, not on ranks 0, 1, 2" in check
+    _expect_refused(
+        results,
+        "ReplicaMismatchError: verify_replicas: cannot repair the copies that differ: rank 3's "
+        "copy of ema shares memory with w, and rank 0's copy (the source) does not: writing ema "
+        "would change w on rank 3",
+    )
+    _expect_repaired(results, [("ema", 0, (PLANTED,))])
+
+
+def test_optimizer_state_aliased_on_one_rank_is_named_and_never_written_through(ranks):
+    results = ranks.run(WORLD, _state_by_reference)
+    check = results[0]["check"]["raised"]
+    name = "exp_avg_sq of weight"
+    assert f"{name} (rank 3 differs from rank 0; a strict majority holds rank 0's copy)" in check
+    assert f"{name} shares memory with exp_avg of weight on rank 3, not on ranks 0, 1, 2" in check
+    _expect_refused(
+        results,
+        "ReplicaMismatchError: verify_replicas: cannot repair the copies that differ: rank 3's "
+        f"copy of {name} shares memory with exp_avg of weight, and rank 0's copy (the source) "
+        f"does not: writing {name} would change exp_avg of weight on rank 3",
+    )
+    _expect_repaired(results, [(name, 0, (PLANTED,))])
+    # The same tensor under both names on every rank: repaired as before.
+    results = ranks.run(WORLD, _state_aliased_everywhere)
+    assert "shares memory" not in results[0]["check"]["raised"]
+    _expect_repaired(results, [("exp_avg of weight", 0, (PLANTED,)), (name, 0, (PLANTED,))])
+
+
+def test_views_shared_alike_on_every_rank_never_spread_a_corrupted_source(ranks):
+    results = ranks.run(WORLD, _row_of_table)
+    assert "shares memory" not in results[0]["check"]["raised"]
+    assert (
+        "table (3 different copies: ranks 0, 1 / rank 2 / rank 3; no strict majority)"
+        in results[0]["check"]["raised"]
+    )
+    _expect_refused(
+        results,
+        "ReplicaMismatchError: verify_replicas: cannot repair the copies that differ: the copies "
+        "of ranks 0, 1, 3 of table share memory with row, as rank 2's copy (the source) does, "
+        "but rank 2's row differs from theirs: writing table would change row on ranks 0, 1, 3; "
+        "rank 2's copy of row shares memory with table, as rank 0's copy (the source) does, but "
+        "rank 0's table differs from rank 2's: writing row would change table on rank 2",
+    )
+    # From rank 0's copies, the writes agree wherever the tensors share memory.
+    assert all(record["views"] for record in results)
+    _expect_repaired(results, [("table", 0, (2, 3)), ("row", 0, (2,))])
+    # A view of another row on one rank: shared alike nowhere.
+    results = ranks.run(WORLD, _row_elsewhere)
+    assert (
+        "row shares memory with table at different offsets on ranks 0, 1, 2 / rank 3"
+        in results[0]["check"]["raised"]
+    )
+    _expect_refused(
+        results,
+        "ReplicaMismatchError: verify_replicas: cannot repair the copies that differ: rank 3's "
+        "copy of row shares memory with table, otherwise than rank 0's copy (the source) does: "
+        "writing row would change table on rank 3",
+    )
+
+
+def _sharing_cases() -> list[Tensor]:
+    """Tensors that share memory in every way a model or an optimizer can make them."""
+    torch.manual_seed(0)
+    flat = torch.randn(64)
+    wide = torch.randn(8, 6)
+    other = torch.randn(64)
+    return [
+        flat,
+        flat[:16],  # views cut one after the other
+        flat[16:32].view(4, 4),
+        flat[32:48:3],  # strided, inside the buffer
+        flat[0::2][24:],  # interleaved with the next: no element in common
+        flat[1::2][24:],
+        flat[10:20],  # overlapping the first two views
+        flat[40:44].view(torch.int32),  # another dtype of the same bytes
+        wide,
+        wide.t(),  # the same elements, transposed
+        wide[:, 0],  # a column
+        wide[:, 1],
+        torch.randn(1, 6).expand(4, 6),  # broadcasting its own storage
+        other,
+        other,  # the same tensor twice
+        other.view(torch.complex64),  # 8-byte elements over 4-byte ones
+        flat[:0],  # empty: no memory
+    ]
+
+
+def _bytes_of(tensor: Tensor) -> set[tuple[int, int]]:
+    """The bytes a tensor's elements occupy: (its storage's address, byte), by enumeration."""
+    size = tensor.element_size()
+    count = tensor.untyped_storage().nbytes() // size
+    at = torch.arange(count).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+    starts = at.reshape(-1) * size
+    address = tensor.untyped_storage().data_ptr()
+    return {(address, int(start) + k) for start in starts for k in range(size)}
+
+
+def test_tensors_that_share_memory_are_found_from_their_metadata():
+    tensors = _sharing_cases()
+    occupied = [_bytes_of(t) for t in tensors]
+    expected = [
+        (i, j)
+        for i in range(len(tensors))
+        for j in range(i + 1, len(tensors))
+        if occupied[i] & occupied[j]
+    ]
+    assert _aliasing.sharing(tensors) == expected
+    # The oracle's verdicts on the cases that tell: shared, and apart.
+    assert {(0, 1), (0, 7), (1, 6), (2, 6), (8, 9), (9, 10), (13, 14), (13, 15)} <= set(expected)
+    assert not {(1, 2), (4, 5), (10, 11), (1, 3)} & set(expected)
+    assert not any(12 in pair or 16 in pair for pair in expected)
 
 
 # --- arguments that must agree --------------------------------------------------------------

@@ -2,9 +2,11 @@
 
 A tensor listed twice, or a view whose elements all belong to another listed tensor, is averaged
 through that tensor; two tensors that share some elements without one holding the other cannot be
-averaged (the mean of the shared elements is undefined). Only tensors on a storage that holds more
-than one of them are compared, so the common case (one storage per gradient) costs a dict over
-storage pointers.
+averaged (the mean of the shared elements is undefined). A repair of replicas writes no copy that
+shares memory with another tensor unless the write leaves that tensor's bits as they should be
+(:func:`sharing` finds the pairs). Only tensors on a storage that holds more than one of them are
+compared, so the common case (one storage per tensor) costs a dict over storage pointers. Nothing
+here reads a tensor's values: only its metadata, on the host.
 """
 
 from __future__ import annotations
@@ -46,6 +48,34 @@ def covering(
             if overlap is not None:
                 return covered, overlap, set(by_address)
     return covered, None, set(by_address)
+
+
+def sharing(tensors: list[Tensor]) -> list[tuple[int, int]]:
+    """Every pair ``(i, j)``, ``i < j``, of ``tensors`` that have a byte of memory in common
+    (the same tensor listed twice among them), in order.
+
+    Tensors of one storage are swept in the order of their spans, each compared with those whose
+    span it meets: views cut one after the other from a buffer cost a sort.
+    """
+    by_storage: dict[tuple[torch.device, int], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if tensor.numel():
+            key = (tensor.device, tensor.untyped_storage().data_ptr())
+            by_storage.setdefault(key, []).append(index)
+    pairs = []
+    for indices in by_storage.values():
+        spans = {index: _span(tensors[index]) for index in indices}
+        reaching: list[int] = []  # the tensors swept so far whose span reaches past this start
+        for index in sorted(indices, key=lambda i: spans[i]):
+            reaching = [i for i in reaching if spans[i][1] > spans[index][0]]
+            tensor, span = tensors[index], spans[index]
+            pairs += [
+                (min(i, index), max(i, index))
+                for i in reaching
+                if _share_elements(tensors[i], spans[i], tensor, span)
+            ]
+            reaching.append(index)
+    return sorted(pairs)
 
 
 _Span = tuple[int, int]  # [first byte, last byte + 1) of a tensor in its storage
@@ -121,8 +151,16 @@ def _share_elements(a: Tensor, a_span: _Span, b: Tensor, b_span: _Span) -> bool:
         return False
     if a.dtype != b.dtype:
         return True  # elements of different sizes: any overlap of the spans is taken as one
+    if _ends_within(b, b_span, a, a_span) or _ends_within(a, a_span, b, b_span):
+        return True  # without listing the elements of a buffer for each of its views
     a_at, b_at = _positions(a, b)
     return bool(torch.isin(b_at, a_at).any())
+
+
+def _ends_within(a: Tensor, a_span: _Span, b: Tensor, b_span: _Span) -> bool:
+    """Whether ``b`` fills its span and the first or the last element of ``a`` lies in it."""
+    last = a_span[1] - a.element_size()
+    return _is_dense(b) and any(b_span[0] <= at < b_span[1] for at in (a_span[0], last))
 
 
 def _positions(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:

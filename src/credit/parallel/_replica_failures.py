@@ -7,7 +7,9 @@ Only a failed proof (``replicas``) comes here. Every rank gathers what every oth
 reaches the same verdict and raises the same error; or the differing copies get their source's
 bytes in one all_reduce, all or nothing: whatever can fail is done or checked on every rank before
 that all_reduce, which carries each rank's failure flag, and nothing is written where one is set.
-Copies are read and written as their elements in row-major order, under any strides. Tensors are
+Copies are read and written as their elements in row-major order, under any strides; a copy that
+shares memory with another tensor of its rank is written only where the write leaves that tensor
+with the bits it should hold (its own, or its source's), as every rank's records prove. Tensors are
 matched by name: rank-local tensors (no copies) need not line up across ranks, so optimizer state
 created lazily on some ranks only is no layout error; a copy of optimizer state that one member of
 a group lacks is a mismatch like a copy with other bits.
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _ownership
+from credit.parallel import _aliasing, _ownership
 from credit.parallel._compat import local_tensor
 from credit.parallel._ownership import CopyGroup, Holding, Stages
 
@@ -122,6 +124,9 @@ class _Record:
     strides: tuple[int, ...]
     dtype: torch.dtype
     on_cpu: bool
+    # The other tensors of its rank that share memory with it, each with the distance in bytes
+    # from the other's first element to its own (in their storage).
+    shares: tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True)
@@ -156,10 +161,15 @@ class Slot:
 
 @dataclass(frozen=True)
 class Failure:
-    """The groups of copies that differ, and the tensors with copies in every stage."""
+    """The groups of copies that differ, the tensors with copies in every stage, why writing the
+    sources would change other bits than the copies' (through memory that a copy shares with
+    another tensor of its rank), and the differing tensors that share memory with another on
+    some of their ranks only."""
 
     slots: list[Slot]
     compared: int
+    written_through: list[str]
+    aliases: list[str]
 
 
 def diagnose(
@@ -187,7 +197,8 @@ def diagnose(
         RuntimeError: the ranks of a stage hold different parameters or buffers, a tensor's
             shards do not add up to whole copies, or the ranks disagree on the groups of copies.
     """
-    records = [_record(mine, index, digests.get(index)) for index in range(len(mine.entries))]
+    shares = _shared_memory(mine)
+    records = [_record(mine, i, digests.get(i), shares[i]) for i in range(len(mine.entries))]
     # Only where this rank's layout can be counted: the others raise its error below.
     owners = {name: _owner(mine, name) for name in mine.params} if error is None else {}
     everyone: list = [None] * dist.get_world_size()
@@ -217,7 +228,10 @@ def diagnose(
             "not describe, such as distinct_along groups that do not tile the stage). Nothing "
             "was modified."
         )
-    return Failure(slots, compared)
+    stages = {
+        stage: {r: named for r, (named, _) in ranks.items()} for stage, ranks in by_stage.items()
+    }
+    return Failure(slots, compared, _written_through(slots, stages), _aliases(slots, stages))
 
 
 def _refuse_different_arguments(ranks: dict[int, Mapping[str, object]]) -> None:
@@ -237,7 +251,9 @@ def _refuse_different_arguments(ranks: dict[int, Mapping[str, object]]) -> None:
         )
 
 
-def _record(mine: Held, index: int, digest: list[int] | None) -> _Record:
+def _record(
+    mine: Held, index: int, digest: list[int] | None, shares: tuple[tuple[str, int], ...]
+) -> _Record:
     entry, local, held = mine.entries[index], mine.local[index], mine.held[index]
     group = mine.groups[index]
     owner = mine.params.get(entry.owner_name)
@@ -259,7 +275,25 @@ def _record(mine: Held, index: int, digest: list[int] | None) -> _Record:
         strides=tuple(local.stride()),
         dtype=local.dtype,
         on_cpu=local.device.type == "cpu",
+        shares=shares,
     )
+
+
+def _shared_memory(mine: Held) -> list[tuple[tuple[str, int], ...]]:
+    """Per tensor, the other tensors of this rank that share memory with it, each with the
+    distance in bytes from the other's first element to its own (read from their storage
+    offsets, on the host: no value is read)."""
+    found: list[list[tuple[str, int]]] = [[] for _ in mine.local]
+    for i, j in _aliasing.sharing(mine.local):
+        distance = _first_byte(mine.local[i]) - _first_byte(mine.local[j])
+        found[i].append((mine.entries[j].name, distance))
+        found[j].append((mine.entries[i].name, -distance))
+    return [tuple(sorted(shared)) for shared in found]
+
+
+def _first_byte(tensor: Tensor) -> int:
+    """Where a tensor's first element lies in its storage, in bytes."""
+    return int(tensor.storage_offset()) * tensor.element_size()
 
 
 def _owner(mine: Held, name: str) -> _Owner:
@@ -481,8 +515,118 @@ def _may_share_memory(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     return False
 
 
+# Each stage's records, by rank and name.
+_Stages = dict[int, dict[int, dict[str, _Record]]]
+
+
+def _written_through(slots: list[Slot], stages: _Stages) -> list[str]:
+    """Why writing each group's source into its copies would leave other bits than every tensor
+    should then hold, in memory that a copy shares with another tensor of its rank (each reason
+    once, with the ranks it holds on); empty where every such write puts there the bits that
+    each tensor sharing it takes or keeps.
+
+    The source's bytes are its elements. Where the copy shares memory with ``other`` as the
+    source does with its rank's ``other`` (the same distance, strides and shapes), the bytes that
+    land there are that rank's bits of ``other``, which must be the bits ``other`` holds after
+    the repair: its own source's, where it is repaired too, else its own. Digests tell, as they
+    tell copies apart. Memory shared otherwise, or not on the source's rank, is refused.
+    """
+    takes = {(s.stage, r, s.name): s.mismatch.reference for s in slots for r in s.targets}
+    found: dict[tuple[str, str, int, str, int | None], list[int]] = {}
+    for slot in slots:
+        records, source = stages[slot.stage], slot.mismatch.reference
+        if source is None:  # no targets: refused before any repair
+            continue
+        for rank in sorted(slot.targets - set(slot.mismatch.missing)):
+            for other, distance in records[rank][slot.name].shares:
+                repaired_from = takes.get((slot.stage, rank, other))
+                kept = rank if repaired_from is None else repaired_from
+                why = _clash(records, rank, source, slot.name, (other, distance), kept)
+                if why is not None:
+                    key = (slot.name, other, source, why, repaired_from)
+                    found.setdefault(key, []).append(rank)
+    return [_through(*key, tuple(ranks)) for key, ranks in found.items()]
+
+
+def _clash(
+    records: dict[int, dict[str, _Record]],
+    rank: int,
+    source: int,
+    name: str,
+    shared: tuple[str, int],
+    kept: int,
+) -> str | None:
+    """Why writing rank ``source``'s copy of ``name`` into rank ``rank``'s, which shares memory
+    with ``shared`` (a tensor's name, and the distance from its first byte), would change that
+    tensor there from the bits of rank ``kept``'s copy, which it should hold; or None."""
+    other = shared[0]
+    here, there = records[rank], records[source]
+    if all(theirs != other for theirs, _ in there[name].shares):
+        return "absent"
+    layout = (here[name].strides, here[other].strides, here[other].shape, here[other].dtype)
+    alike = (there[name].strides, there[other].strides, there[other].shape, there[other].dtype)
+    if shared not in there[name].shares or layout != alike:
+        return "otherwise"
+    should, written = records[kept][other].digest, there[other].digest
+    if should is None or written is None:
+        return "uncompared"
+    return None if should == written else "differs"
+
+
+def _through(
+    name: str,
+    other: str,
+    source: int,
+    why: str,
+    repaired_from: int | None,
+    ranks: tuple[int, ...],
+) -> str:
+    """A write through shared memory that would change another tensor, in words."""
+    copy = f"rank {source}'s copy (the source)"
+    theirs = "theirs" if len(ranks) > 1 else f"rank {ranks[0]}'s"
+    if repaired_from is not None:
+        theirs = f"rank {repaired_from}'s, which {other} takes there"
+    reason = {
+        "absent": f"and {copy} does not",
+        "otherwise": f"otherwise than {copy} does",
+        "uncompared": f"as {copy} does, but {other} has no copies to compare with {theirs}",
+        "differs": f"as {copy} does, but rank {source}'s {other} differs from {theirs}",
+    }[why]
+    verb = "shares" if len(ranks) == 1 else "share"
+    would = "could" if why == "uncompared" else "would"
+    return (
+        f"{_whose(ranks)} of {name} {verb} memory with {other}, {reason}: writing {name} {would} "
+        f"change {other} on {_ranks(ranks)}"
+    )
+
+
+def _aliases(slots: list[Slot], stages: _Stages) -> list[str]:
+    """The differing tensors that share memory with another tensor on some of their copies'
+    ranks only, or at different offsets on some (a tensor assigned by reference on some ranks,
+    ``m.ema = m.w.detach()``)."""
+    notes = []
+    for slot in slots:
+        records = stages[slot.stage]
+        members = sorted(rank for ranks in slot.mismatch.copies for rank in ranks)
+        offsets: dict[str, dict[int, list[int]]] = {}
+        for rank in members:
+            for other, distance in records[rank][slot.name].shares:
+                offsets.setdefault(other, {}).setdefault(distance, []).append(rank)
+        for other, at in offsets.items():
+            having = sorted(rank for ranks in at.values() for rank in ranks)
+            lacking = [rank for rank in members if rank not in having]
+            if lacking:
+                where = f"on {_ranks(having)}, not on {_ranks(lacking)}"
+            elif len(at) > 1:
+                where = f"at different offsets on {' / '.join(map(_ranks, at.values()))}"
+            else:
+                continue
+            notes.append(f"{slot.name} shares memory with {other} {where}")
+    return notes
+
+
 def repair(
-    slots: list[Slot],
+    failure: Failure,
     mine: Held,
     states: MutableMapping[Tensor, dict],
     device: torch.device,
@@ -492,13 +636,15 @@ def repair(
     created (like its parameter, a DTensor for a DTensor parameter, or as a plain tensor like the
     source's) and put into the optimizer's state.
 
-    Whatever can fail comes before any write: the copies that cannot take arbitrary bits (from
-    every rank's records), then on each rank its sources' bytes and the new state tensors. The
+    Whatever can fail comes before any write: from every rank's records, the copies that
+    cannot take arbitrary bits and the writes through memory shared with another tensor that
+    would change it; then on each rank its sources' bytes and the new state tensors. The
     all_reduce carries each rank's failure flag beside the bytes; where any is set, the ranks
     gather why (one ``all_gather_object``) and none writes.
 
     Args:
-        slots: the groups of copies that differ, each with a source: the same list on every rank.
+        failure: the groups of copies that differ, each with a source, and what writing them
+            through shared memory would change: the same on every rank.
         mine: what this rank holds.
         states: the optimizer's ``state`` (where missing copies are put).
         device: where the collective's buffer lives.
@@ -507,9 +653,11 @@ def repair(
         Why the repair cannot be done, the same on every rank, nothing modified; or None, every
         copy then holding its source's bits.
     """
+    slots = failure.slots
     refused = [why for slot in slots if (why := _unwritable(slot)) is not None]
+    refused += failure.written_through
     if refused:
-        return _cannot(refused, slots)
+        return _cannot(refused, failure)
     offsets = [0]
     for slot in slots:  # 16-byte aligned, so that each slot can be viewed as its dtype
         offsets.append(offsets[-1] + -(-slot.nbytes // 16) * 16)
@@ -522,7 +670,7 @@ def repair(
     if bool(buffer[-1]):
         problems: list = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
-        return _cannot([why for why in problems if why is not None], slots)
+        return _cannot([why for why in problems if why is not None], failure)
     for slot, start, target, new in writes:
         if new is not None:
             states.setdefault(mine.params[slot.template.owner], {})[slot.template.state_key] = new
@@ -591,12 +739,14 @@ def _whose(ranks: tuple[int, ...]) -> str:
     return f"rank {ranks[0]}'s copy" if len(ranks) == 1 else f"the copies of {_ranks(ranks)}"
 
 
-def _cannot(problems: list[str], slots: list[Slot]) -> str:
+def _cannot(problems: list[str], failure: Failure) -> str:
     """The error of a repair that cannot be done."""
+    shared = _shared_on_some(failure.aliases)
     return (
         f"{WHAT}: cannot repair the copies that differ: {'; '.join(problems)}. Nothing was "
-        f"modified: {listed(slot.mismatch for slot in slots)}. Reload the last checkpoint on "
-        f"every rank. {_CAUSES}"
+        f"modified: {listed(slot.mismatch for slot in failure.slots)}.{shared} "
+        f"{'Otherwise reload' if shared else 'Reload'} the last checkpoint on every rank. "
+        f"{_CAUSES}"
     )
 
 
@@ -688,8 +838,22 @@ _CAUSES = (
 )
 
 
-def describe(mismatches: tuple[Mismatch, ...], compared: int, buffer_names: set[str]) -> str:
-    """The error of a check without repair: every differing group, named."""
+def _shared_on_some(aliases: list[str]) -> str:
+    """The sentence naming the differing tensors that share memory on some ranks only."""
+    if not aliases:
+        return ""
+    more = f"; and {len(aliases) - _LISTED} more" if len(aliases) > _LISTED else ""
+    return (
+        f" Memory shared on some ranks only: {'; '.join(aliases[:_LISTED])}{more}. A tensor "
+        "assigned by reference (m.ema = m.w.detach()) holds no copy of its own: give it one "
+        "(.clone()) before a repair."
+    )
+
+
+def describe(failure: Failure, buffer_names: set[str]) -> str:
+    """The error of a check without repair: every differing group, named, and the differing
+    tensors that share memory with another on some ranks only."""
+    mismatches = [slot.mismatch for slot in failure.slots]
     tensors = len({m.name for m in mismatches})
     verb = "holds" if tensors == 1 else "hold"
     what = (
@@ -715,14 +879,16 @@ def describe(mismatches: tuple[Mismatch, ...], compared: int, buffer_names: set[
             "SyncBatchNorm), pass buffers=False."
         )
     return (
-        f"{WHAT}: {tensors} of the {compared} tensors with copies {verb} {what} on ranks that "
-        f"hold copies of them: {listed(mismatches)}. Nothing was modified: {repair}. "
-        f"{_CAUSES}{hint}"
+        f"{WHAT}: {tensors} of the {failure.compared} tensors with copies {verb} {what} on "
+        f"ranks that hold copies of them: {listed(mismatches)}."
+        f"{_shared_on_some(failure.aliases)} Nothing was modified: {repair}. {_CAUSES}{hint}"
     )
 
 
-def refusal(mismatches: tuple[Mismatch, ...], repair_from: tuple[int, ...]) -> str:
-    """The error of a repair refused: the groups where nothing tells which copy is right."""
+def refusal(failure: Failure, repair_from: tuple[int, ...]) -> str:
+    """The error of a repair refused: the groups where nothing tells which copy is right, and
+    the differing tensors that share memory with another on some ranks only."""
+    mismatches = [slot.mismatch for slot in failure.slots]
     refused = [m for m in mismatches if m.reference is None]
     others = [m for m in mismatches if m.reference is not None]
     tensors = len({m.name for m in mismatches})
@@ -732,8 +898,8 @@ def refusal(mismatches: tuple[Mismatch, ...], repair_from: tuple[int, ...]) -> s
     rest = f" The others could be repaired: {listed(others)}." if others else ""
     return (
         f"{WHAT}: cannot repair {len({m.name for m in refused})} of the {tensors} tensors whose "
-        f"copies differ, as nothing tells which copy is right{named}: {listed(refused)}. "
-        "Nothing was modified. Reload the last checkpoint on every rank, or name the ranks "
-        "whose copies are right with repair_from (for instance the ranks that just reloaded a "
-        f"checkpoint). {_CAUSES}{rest}"
+        f"copies differ, as nothing tells which copy is right{named}: {listed(refused)}."
+        f"{_shared_on_some(failure.aliases)} Nothing was modified. Reload the last checkpoint "
+        "on every rank, or name the ranks whose copies are right with repair_from (for "
+        f"instance the ranks that just reloaded a checkpoint). {_CAUSES}{rest}"
     )

@@ -154,7 +154,8 @@ def verify_replicas(
             copies of optimizer state) the copy a strict majority of their group holds; where
             no strict majority exists, the copy of the first rank of ``repair_from`` in the group.
             One more all_reduce, of those tensors only. All or nothing: every copy is repaired
-            on every rank, or none is and every rank raises. The report lists them.
+            on every rank, or none is and every rank raises; no write changes a tensor through
+            memory it shares with the copy. The report lists them.
         repair_from: with ``repair``, the ranks whose copies are right where a group has no
             strict majority (two copies, two against two), for instance the ranks that just
             reloaded a checkpoint. A group with neither is not repaired: nothing tells which copy
@@ -175,8 +176,11 @@ def verify_replicas(
         ReplicaMismatchError: copies differ (and ``repair`` is off), or ``repair`` found a group
             of copies that differ and nothing that tells which is right, or a copy that cannot
             take its source's bits (a copy that broadcasts a dim along which its source varies,
-            or whose elements share memory); raised on every rank with the same message, naming
-            each differing tensor and its ranks. Nothing is modified.
+            or whose elements share memory), or a copy that shares memory with another tensor
+            of its rank where writing it would change that tensor (memory shared on some ranks
+            only, as ``m.ema = m.w.detach()`` makes it, or a source whose bits there are not
+            that tensor's); raised on every rank with the same message, naming each differing
+            tensor and its ranks, and the tensors that share memory. Nothing is modified.
         RuntimeError: the ranks of a stage hold different parameters or buffers, or a tensor's
             copies do not add up to whole copies on every rank (raised on every rank).
     """
@@ -240,12 +244,12 @@ def verify_replicas(
     mismatches = tuple(slot.mismatch for slot in failure.slots)
     if not repair:
         buffer_names = {name for name, _ in model.named_buffers()} if with_buffers else set()
-        message = _replica_failures.describe(mismatches, failure.compared, buffer_names)
+        message = _replica_failures.describe(failure, buffer_names)
         raise ReplicaMismatchError(message, mismatches)
     if any(m.reference is None for m in mismatches):
-        raise ReplicaMismatchError(_replica_failures.refusal(mismatches, sources), mismatches)
+        raise ReplicaMismatchError(_replica_failures.refusal(failure, sources), mismatches)
     states = optimizer.state if optimizer is not None else {}
-    unrepaired = _replica_failures.repair(failure.slots, mine, states, plan.device)
+    unrepaired = _replica_failures.repair(failure, mine, states, plan.device)
     if unrepaired is not None:
         raise ReplicaMismatchError(unrepaired, mismatches)
     if dist.get_rank() == 0:
