@@ -15,11 +15,12 @@ fingerprints. Shards whose values differ by ``d`` (in L2) have projections that 
 ``d`` each, whatever their norms: a random projection keeps distances.
 
 Within a stage each group of ``c`` copies has a slot of its own (``_ownership.copy_slot``), where
-each member adds ``1``, ``tau``, ``f`` and ``f**2`` per fingerprint column. From the sums, every
-rank computes the spread ``sqrt(sum (f - mean f)**2) = sqrt(S2 - S1**2 / c)`` of each column and
-compares it with ``tau`` times the copies' mean norm (:func:`_grouped_differ`). One copy that
-differs from the others by ``e`` has spread ``e * sqrt((c - 1) / c)``: it is caught whenever
-``e > sqrt(2) * tau * mean norm``, whichever copy it is and however many copies there are.
+each member adds ``f`` and ``f**2`` per fingerprint column (the plan keeps each slot's ``c`` and
+``tau``). From the sums, every rank computes the spread ``sqrt(sum (f - mean f)**2) =
+sqrt(S2 - S1**2 / c)`` of each column and compares it with ``tau`` times the copies' mean norm
+(:func:`_grouped_differ`). One copy that differs from the others by ``e`` has spread
+``e * sqrt((c - 1) / c)``: it is caught whenever ``e > sqrt(2) * tau * mean norm``, whichever
+copy it is and however many copies there are.
 
 Under pipeline stages a rank cannot see the other stages' groups, so each stage has one slot,
 pooled over its groups: the member ``i`` of a group sends ``rho * (ref_i - 1 / c) * (f_i,

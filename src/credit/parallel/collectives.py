@@ -206,8 +206,9 @@ def total_grad_norm(
 
     Plain tensors alone are replicas (DDP): every rank returns the norm of the reference copy
     (the lowest rank's), torch's bits where the copies are bit-identical, after one small
-    all_reduce that compares the copies and carries a NaN or inf on any rank to every rank. Ranks that train models of their own pass ``per_rank=True`` instead. DTensors on
-    a mesh spanning the world (FSDP2 over every rank) give the same bits as torch's
+    all_reduce that compares the copies and carries a NaN or inf on any rank to every rank.
+    Ranks that train models of their own pass ``per_rank=True`` instead. DTensors on a mesh
+    spanning the world (FSDP2 over every rank) give the same bits as torch's
     ``clip_grad_norm_(...).full_tensor()``.
 
     A gradient refused on one rank only (left on the meta device, sparse, or of an integer dtype
