@@ -69,14 +69,15 @@ def _refused_everywhere(results: list) -> None:
 # 1. The bound: 2, 3 and 4 copies, the reference and another copy, three dtypes, two calls
 
 
-def _scaled_copy(dtype_name: str, deviant: int, factor_in_tau: float, later: bool) -> list:
+def _scaled_copy(
+    dtype_name: str, deviant: int, factor_in_tau: float, later: bool, case: int
+) -> list:
     """Plain replicas of three gradients; ``deviant``'s copy of the first scaled by
-    ``1 + factor_in_tau * tau``, on the layout's first call or after a clean call proved it."""
+    ``1 + factor_in_tau * tau``, on the layout's first call or after a clean call proved it.
+    ``case`` picks a shape no other case of the session uses: each meets its layout first."""
     dtype = DTYPES[dtype_name]
-    # A shape per case: each case meets its layout for the first time.
-    rows = 4 + 2 * list(DTYPES).index(dtype_name) + int(later) + 8 * int(factor_in_tau > 1)
-    generator = torch.Generator().manual_seed(rows)
-    grads = [torch.randn(rows, 64, generator=generator).to(dtype) for _ in range(3)]
+    generator = torch.Generator().manual_seed(case)
+    grads = [torch.randn(4 + case, 37, generator=generator).to(dtype) for _ in range(3)]
     if later:
         assert same_bits_everywhere(total_grad_norm(grads))
     if dist.get_rank() == deviant:
@@ -95,19 +96,23 @@ def _scaled_copy(dtype_name: str, deviant: int, factor_in_tau: float, later: boo
 def test_one_copy_beyond_the_bound_raises_and_within_it_every_rank_agrees(
     ranks, copies, dtype_name
 ):
+    case = 8 * list(DTYPES).index(dtype_name)
     for deviant in (0, copies - 1):  # the reference copy, and another
         for later in (False, True):
-            caught = ranks.run(copies, _scaled_copy, dtype_name, deviant, 2.0, later)
+            caught = ranks.run(copies, _scaled_copy, dtype_name, deviant, 2.0, later, case)
             _refused_everywhere([r[0] for r in caught])
             # A first call compares projections too, which a scaled copy moves by the scale
             # times each projection (up to a few times the norm): there, within is 1 + tau / 8.
             within_factor = 0.5 if later else 0.125
-            within = ranks.run(copies, _scaled_copy, dtype_name, deviant, within_factor, later)
+            within = ranks.run(
+                copies, _scaled_copy, dtype_name, deviant, within_factor, later, case + 1
+            )
             for outcome, bits in within:
                 assert outcome is None, outcome
                 ours, oracle = bits
                 assert torch.equal(ours, within[0][1][0]), "the same bits on every rank"
                 assert torch.equal(ours, oracle), "the reference copy's norm, torch's bits"
+            case += 2
 
 
 # ---------------------------------------------------------------------------------------------
