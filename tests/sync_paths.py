@@ -273,6 +273,23 @@ def _nonfinite_error(what: str, layout: str, world: World) -> Call:
     return lambda: clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
 
 
+def _nonfinite_raised(layout: str, world: World) -> Call:
+    """``error_if_nonfinite=True`` on a norm read back as non-finite: the call raises, after the
+    same one read."""
+    call = _nonfinite_error("clip_grad_norm_", layout, world)
+
+    def raises() -> None:
+        try:
+            call()
+        except RuntimeError as error:
+            if "non-finite" in str(error):
+                return
+            raise
+        raise AssertionError("a non-finite norm did not raise")
+
+    return raises
+
+
 def _scaler(device: str, scaling: bool) -> GradScaler:
     """A GradScaler on ``device``: torch's constructor disables a "cuda" scaler without CUDA,
     which the fake world lacks."""
@@ -418,6 +435,15 @@ ROWS: tuple[Row, ...] = (
             answer=1.0,
         )
         for what in ("total_grad_norm", "clip_grad_norm_")
+        for layout, suffix in (("mixed", ""), ("plain", ", plain replicas"))
+    ),
+    # The same read answered "not finite": the copies' verdict comes back with it.
+    *(
+        Row(
+            f"clip_grad_norm_ error_if_nonfinite=True raising{suffix}",
+            partial(_nonfinite_raised, layout),
+            reads=1,
+        )
         for layout, suffix in (("mixed", ""), ("plain", ", plain replicas"))
     ),
     Row(
