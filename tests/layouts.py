@@ -17,6 +17,7 @@ layouts larger, through the size arguments of :func:`build`, on its own meshes a
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -202,3 +203,12 @@ def ulp_distance(a: Tensor, b: Tensor) -> int:
     a32 = a.detach().reshape(1).to(torch.float32)
     b32 = b.detach().reshape(1).to(torch.float32)
     return abs(int(a32.view(torch.int32)) - int(b32.view(torch.int32)))
+
+
+def error_of(call: Callable[[], object]) -> tuple[str, str] | None:
+    """The type and message ``call`` raises, or None when it returns."""
+    try:
+        call()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None

@@ -24,12 +24,11 @@ how far legitimate copies' local norms really are apart (the margin the guide qu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import local_bytes, mesh, same_bits_everywhere
+from layouts import error_of, local_bytes, mesh, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -49,14 +48,6 @@ from credit.parallel.norm_report import grad_norm_report
 
 COPIES_DIFFER = "holds different values on ranks that the rank maps take for copies"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _error_of(call: Callable[[], object]) -> tuple[str, str] | None:
-    try:
-        call()
-    except Exception as error:
-        return type(error).__name__, str(error)
-    return None
 
 
 def _refused_everywhere(results: list) -> None:
@@ -86,7 +77,7 @@ def _scaled_copy(
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, reference)
     oracle = torch.nn.utils.get_total_norm(gathered[0])
-    outcome = _error_of(lambda: total_grad_norm(grads))
+    outcome = error_of(lambda: total_grad_norm(grads))
     norm = None if outcome is not None else total_grad_norm(grads)
     return [outcome, None if norm is None else (local_bytes(norm), local_bytes(oracle))]
 
@@ -127,7 +118,7 @@ def _replicate_dtensor_bf16_x1_5() -> list:
     total_grad_norm([grad])  # proven
     if dist.get_rank() == 3:
         grad._local_tensor.mul_(1.5)
-    return [_error_of(lambda: total_grad_norm([grad]))]
+    return [error_of(lambda: total_grad_norm([grad]))]
 
 
 def _fsdp_shard_off_by_six_tau() -> list:
@@ -137,7 +128,7 @@ def _fsdp_shard_off_by_six_tau() -> list:
     total_grad_norm([grad])  # proven: the tp peers of each dp shard are copies
     if dist.get_rank() == 3:
         grad._local_tensor.mul_(1 + 6 * tolerance(torch.float32))
-    return [_error_of(lambda: total_grad_norm([grad]))]
+    return [error_of(lambda: total_grad_norm([grad]))]
 
 
 def _ddp_boundary_under_no_sync() -> list:
@@ -152,7 +143,7 @@ def _ddp_boundary_under_no_sync() -> list:
     optimizer.zero_grad()
     with model.no_sync():  # the boundary step by mistake: each rank keeps its own batch's grads
         model(mine * 2).float().pow(2).mean().backward()
-    return [_error_of(lambda: clip_grad_norm_(model.parameters(), 1.0))]
+    return [error_of(lambda: clip_grad_norm_(model.parameters(), 1.0))]
 
 
 def _second_bf16_model_per_rank() -> list:
@@ -163,7 +154,7 @@ def _second_bf16_model_per_rank() -> list:
     torch.manual_seed(1 + dist.get_rank())
     second = nn.Linear(16, 16).bfloat16()
     second(torch.ones(2, 16).bfloat16()).float().pow(2).sum().backward()
-    return [_error_of(lambda: clip_grad_norm_(second.parameters(), 1.0))]
+    return [error_of(lambda: clip_grad_norm_(second.parameters(), 1.0))]
 
 
 @pytest.mark.parametrize(

@@ -22,13 +22,12 @@ import math
 import os
 import tempfile
 import warnings
-from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import local_bytes, mesh, same_bits_everywhere, ulp_distance
+from layouts import error_of, local_bytes, mesh, same_bits_everywhere, ulp_distance
 from multirank import RankPool
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -53,15 +52,6 @@ def _linear(seed: int) -> nn.Linear:
 
 def _grads(module: nn.Module) -> list[Tensor]:
     return [p.grad for p in module.parameters() if p.grad is not None]
-
-
-def _error_of(call: Callable[[], object]) -> tuple[str, str] | None:
-    """The type and message ``call`` raises, or None when it returns."""
-    try:
-        call()
-    except Exception as error:
-        return type(error).__name__, str(error)
-    return None
 
 
 def _snapshot(grads: list[Tensor]) -> list[Tensor]:
@@ -100,11 +90,11 @@ def _twin_models(norm_type: float) -> list:
     student = _linear(100 + dist.get_rank())  # seeded per rank: not copies
     _matches_oracle(total_grad_norm(_grads(teacher), norm_type), _grads(teacher), norm_type)
     before = _snapshot(_grads(student))
-    norm = _error_of(lambda: total_grad_norm(_grads(student), norm_type))
-    clip = _error_of(
+    norm = error_of(lambda: total_grad_norm(_grads(student), norm_type))
+    clip = error_of(
         lambda: clip_grad_norm_(student.named_parameters(), 1.0, norm_type, error_if_nonfinite=True)
     )
-    clip_default = _error_of(lambda: clip_grad_norm_(student.named_parameters(), 1.0, norm_type))
+    clip_default = error_of(lambda: clip_grad_norm_(student.named_parameters(), 1.0, norm_type))
     untouched = _unchanged(_grads(student), before)
     # The proven layout still works for the teacher afterwards.
     _matches_oracle(total_grad_norm(_grads(teacher), norm_type), _grads(teacher), norm_type)
@@ -135,7 +125,7 @@ def _replicate_dtensor_peers_differ() -> list:
     _matches_oracle(total_grad_norm([proven]), [proven.full_tensor()], 2.0)
     torch.manual_seed(dist.get_rank())  # each tp rank its own values under a Replicate placement
     differing = DTensor.from_local(torch.randn(6, 4), tp, [Replicate()], run_check=False)
-    return [_error_of(lambda: total_grad_norm([differing]))]
+    return [error_of(lambda: total_grad_norm([differing]))]
 
 
 def _fsdp_model(dp_tp: DeviceMesh, seed: int) -> nn.Module:
@@ -155,7 +145,7 @@ def _fsdp_tp_peers_differ() -> list:
     _matches_oracle(total_grad_norm(_grads(proven)), full, 2.0)
     halves = _fsdp_model(dp_tp, 10 + coordinate[1])  # undeclared halves: tp peers differ
     before = _snapshot(_grads(halves))
-    error = _error_of(lambda: clip_grad_norm_(halves.named_parameters(), 1.0))
+    error = error_of(lambda: clip_grad_norm_(halves.named_parameters(), 1.0))
     return [error, _unchanged(_grads(halves), before)]
 
 
@@ -169,7 +159,7 @@ def _pipeline_stages_differ() -> list:
     first = total_grad_norm(_grads(proven), pp_group=pp_group)
     assert same_bits_everywhere(first)
     drifting = _linear(stage + 10 * coordinate[1])  # dp peers of a stage differ
-    return [_error_of(lambda: total_grad_norm(_grads(drifting), pp_group=pp_group))]
+    return [error_of(lambda: total_grad_norm(_grads(drifting), pp_group=pp_group))]
 
 
 @pytest.mark.parametrize(
@@ -197,7 +187,7 @@ def _drift(kind: str) -> list:
             for grad in grads:
                 grad.mul_(1.01)
         before = _snapshot(grads)
-        error = _error_of(lambda: clip_grad_norm_(layer.parameters(), 1.0))
+        error = error_of(lambda: clip_grad_norm_(layer.parameters(), 1.0))
     else:
         tp = mesh((4,), ("tp",))
         grads = [_replicated(tp, 0)]
@@ -205,7 +195,7 @@ def _drift(kind: str) -> list:
         if dist.get_rank() == 2:
             grads[0]._local_tensor.mul_(1.01)  # a Replicate DTensor drifting by 1 %
         before = _snapshot(grads)
-        error = _error_of(lambda: total_grad_norm(grads))
+        error = error_of(lambda: total_grad_norm(grads))
     return [error, _unchanged(grads, before)]
 
 
@@ -230,7 +220,7 @@ def _nonfinite_on_one_rank(value: float, norm_type: float) -> list:
         grads[0][1, 2] = value
     norm = total_grad_norm(grads, norm_type)
     before = _snapshot(grads)
-    raised = _error_of(
+    raised = error_of(
         lambda: clip_grad_norm_(model.parameters(), 1.0, norm_type, error_if_nonfinite=True)
     )
     return [local_bytes(first), norm.item(), raised, _unchanged(grads, before)]
@@ -279,8 +269,8 @@ def _restart_in_process(directory: str) -> list:
         for param in layer.parameters():
             param.add_(float(old_rank))
             param.grad.add_(float(old_rank))  # type: ignore[union-attr]
-    norm = _error_of(lambda: total_grad_norm(_grads(layer)))
-    replicas = _error_of(lambda: verify_replicas(layer, optimizer))
+    norm = error_of(lambda: total_grad_norm(_grads(layer)))
+    replicas = error_of(lambda: verify_replicas(layer, optimizer))
     dist.destroy_process_group()
     return [norm, replicas]
 
@@ -321,7 +311,7 @@ def _verdict_on_the_device() -> list:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchronizing CUDA operation" in str(w.message)]
     before = _snapshot(_grads(student))
-    raised = _error_of(
+    raised = error_of(
         lambda: clip_grad_norm_(student.named_parameters(), 1.0, error_if_nonfinite=True)
     )
     return [syncs, math.isnan(norm.item()), raised, _unchanged(_grads(student), before)]

@@ -405,8 +405,9 @@ def _replicas(local: list[Tensor], plan: Plan, request: NormRequest) -> Reduced:
         return reduced
     copies = plan.copies
     assert copies is not None  # built by the layout's verification
-    is_reference = any(g is not None and g.is_reference for g in copies.groups)
-    mine = stacked.to(torch.float64) * float(is_reference)
+    # One group per gradient, the same ranks in each: the lowest rank holds every reference.
+    first = copies.groups[copies.compared[0]]
+    mine = stacked.to(torch.float64) * float(first is not None and first.is_reference)
     reference, compared = _reduced_with_comparison(mine, stacked, plan)
     # Each gradient has one group, its slot at its stacking position: the sum of its copies'
     # norms (the first column) is non-finite where any copy is.
