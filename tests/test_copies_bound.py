@@ -110,32 +110,31 @@ def test_one_copy_beyond_the_bound_raises_and_within_it_every_rank_agrees(
 # 2. The layouts users train on
 
 
-def _replicate_dtensor_bf16_x1_5() -> list:
+def _replicate_dtensor_x1_5(dtype: torch.dtype) -> list:
     tp = mesh((4,), ("tp",))
     torch.manual_seed(0)
-    full = torch.randn(16, 16).to(torch.bfloat16)
-    grad = distribute_tensor(full, tp, [Replicate()])
+    grad = distribute_tensor(torch.randn(16, 16).to(dtype), tp, [Replicate()])
     total_grad_norm([grad])  # proven
     if dist.get_rank() == 3:
         grad._local_tensor.mul_(1.5)
     return [error_of(lambda: total_grad_norm([grad]))]
 
 
-def _fsdp_shard_off_by_six_tau() -> list:
+def _fsdp_shard_off_by_six_tau(dtype: torch.dtype) -> list:
     dp_tp = mesh((2, 2), ("dp", "tp"))
     torch.manual_seed(0)
-    grad = distribute_tensor(torch.randn(8, 32), dp_tp["dp"], [Shard(0)])
+    grad = distribute_tensor(torch.randn(8, 32).to(dtype), dp_tp["dp"], [Shard(0)])
     total_grad_norm([grad])  # proven: the tp peers of each dp shard are copies
     if dist.get_rank() == 3:
-        grad._local_tensor.mul_(1 + 6 * tolerance(torch.float32))
+        grad._local_tensor.mul_(1 + 6 * tolerance(dtype))
     return [error_of(lambda: total_grad_norm([grad]))]
 
 
-def _ddp_boundary_under_no_sync() -> list:
+def _ddp_boundary_under_no_sync(dtype: torch.dtype) -> list:
     torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4)).bfloat16())
-    optimizer = torch.optim.AdamW(model.parameters())
-    batch = torch.randn(4 * dist.get_world_size(), 16).bfloat16()
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4)).to(dtype))
+    optimizer = torch.optim.AdamW(model.parameters(), eps=1e-4)  # an eps float16 can hold
+    batch = torch.randn(4 * dist.get_world_size(), 16).to(dtype)
     mine = batch.chunk(dist.get_world_size())[dist.get_rank()]
     model(mine).float().pow(2).mean().backward()  # a synced step proves the layout
     clip_grad_norm_(model.parameters(), 1.0)
@@ -146,29 +145,30 @@ def _ddp_boundary_under_no_sync() -> list:
     return [error_of(lambda: clip_grad_norm_(model.parameters(), 1.0))]
 
 
-def _second_bf16_model_per_rank() -> list:
+def _second_model_per_rank(dtype: torch.dtype) -> list:
     torch.manual_seed(0)
-    first = nn.Linear(16, 16).bfloat16()
-    first(torch.ones(2, 16).bfloat16()).float().pow(2).sum().backward()
+    first = nn.Linear(16, 16).to(dtype)
+    first(torch.ones(2, 16).to(dtype)).float().pow(2).sum().backward()
     total_grad_norm([p.grad for p in first.parameters()])  # proves the shapes
     torch.manual_seed(1 + dist.get_rank())
-    second = nn.Linear(16, 16).bfloat16()
-    second(torch.ones(2, 16).bfloat16()).float().pow(2).sum().backward()
+    second = nn.Linear(16, 16).to(dtype)
+    second(torch.ones(2, 16).to(dtype)).float().pow(2).sum().backward()
     return [error_of(lambda: clip_grad_norm_(second.parameters(), 1.0))]
 
 
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize(
     "body",
     [
-        _replicate_dtensor_bf16_x1_5,
+        _replicate_dtensor_x1_5,
         _fsdp_shard_off_by_six_tau,
         _ddp_boundary_under_no_sync,
-        _second_bf16_model_per_rank,
+        _second_model_per_rank,
     ],
-    ids=["replicate_dtensor_bf16_x1.5", "fsdp_dp_x_tp_6tau", "ddp_no_sync_bf16", "second_model"],
+    ids=["replicate_dtensor_x1.5", "fsdp_dp_x_tp_6tau", "ddp_no_sync", "second_model"],
 )
-def test_copies_that_users_get_wrong_raise_on_every_rank(ranks, body):
-    _refused_everywhere([r[0] for r in ranks.run(4, body)])
+def test_copies_that_users_get_wrong_raise_on_every_rank(ranks, body, dtype_name):
+    _refused_everywhere([r[0] for r in ranks.run(4, body, DTYPES[dtype_name])])
 
 
 # ---------------------------------------------------------------------------------------------
