@@ -51,9 +51,8 @@ def train(device: str, steps: int, max_norm: float) -> None:
     generator = torch.Generator().manual_seed(mesh["dp"].get_local_rank())  # data by dp rank
 
     # --8<-- [start:loop]
-    scaler = GradScaler(
-        device
-    )  # fp16; GradScaler(device, scaling=False) to skip non-finite bf16 steps
+    # fp16; GradScaler(device, scaling=False) only skips the non-finite steps (bf16)
+    scaler = GradScaler(device)
     for step in range(steps):
         x, y = (torch.randn(BATCH, DIM, generator=generator).to(device) for _ in range(2))
         with torch.autocast(device, dtype=torch.float16, enabled=device == "cuda"):

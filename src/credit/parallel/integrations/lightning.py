@@ -69,12 +69,14 @@ class MeshSafeGradientClipping:
             if "configure_gradient_clipping" in vars(base) and not issubclass(
                 base, MeshSafeGradientClipping
             ):
+                mixins = [b for b in cls.__bases__ if issubclass(b, MeshSafeGradientClipping)]
+                bases = [*mixins, *(b for b in cls.__bases__ if b not in mixins)]
                 raise TypeError(
                     f"{cls.__qualname__}: {base.__qualname__}.configure_gradient_clipping comes "
                     "before MeshSafeGradientClipping's in the method resolution order, so the "
                     "Trainer's gradient_clip_val would bypass the mixin (Lightning's own hook "
                     "calls torch's clip, which raises on mixed meshes). List the mixin first: "
-                    f"class {cls.__name__}(MeshSafeGradientClipping, {base.__name__}). A hook of "
+                    f"class {cls.__name__}({', '.join(b.__name__ for b in bases)}). A hook of "
                     "your own goes in a subclass of MeshSafeGradientClipping and calls "
                     "self.clip_grad_norm_(optimizer, max_norm)"
                 )
