@@ -21,7 +21,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torchtune import training
 from torchtune.models.llama3 import base_llama_tp_plan, llama3
@@ -32,17 +33,11 @@ from credit.parallel.replicas import verify_replicas
 VOCAB, SEQ, BATCH = 256, 32, 2
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args()
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    mesh = init_device_mesh(args.device, (2, 2), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)  # the same initial weights on every rank
-    with torch.device(args.device):
+def tensor_parallel_llama3(mesh: DeviceMesh, device: str) -> nn.Module:
+    """The recipe's ``_setup_model`` with ``tensor_parallel_dim=2`` on a (dp, tp) ``mesh``: a
+    2-layer Llama 3 with the same seeded weights on every rank, TP'd, then FSDP2 on dp."""
+    torch.manual_seed(0)
+    with torch.device(device):
         model = llama3(
             vocab_size=VOCAB,
             num_layers=2,
@@ -60,6 +55,19 @@ def main() -> None:
         reshard_after_forward=True,
         dp_mesh=mesh["dp"],
     )
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    mesh = init_device_mesh(args.device, (2, 2), mesh_dim_names=("dp", "tp"))
+    model = tensor_parallel_llama3(mesh, args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(mesh["dp"].get_local_rank())  # data by dp rank
     for step in range(args.steps):
