@@ -12,7 +12,7 @@ made the scaler itself (fp16 on an accelerator device), so a scaler set by hand,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -77,6 +77,7 @@ def clip_grad_norm_(
     _inputs.norm_order(norm_type)
     grads = [grad for p in params if (grad := p.grad) is not None]
     _inputs.check_grads(grads, "parameters")
+    distinct_along = _reusable(distinct_along)
     _inputs.distinct_groups(distinct_along, grads)
     if scaler is not None:
         # The optimizers accelerate prepared, as its own unscale_gradients() reads them.
@@ -107,6 +108,20 @@ def _scaler_of(accelerator: Any) -> Any:
             "max_norm), as accelerator.clip_grad_norm_(parameters, max_norm)"
         )
     return accelerator.scaler
+
+
+def _reusable(distinct_along: DistinctAlong | None) -> DistinctAlong | None:
+    """``distinct_along`` with its iterables as lists, checked here and read again by the clip
+    (``[(experts.parameters(), ep_group)]`` holds a generator). What is not a list of pairs is
+    left as it is, for the clip's checks to name."""
+    if isinstance(distinct_along, (Tensor, str, bytes)) or not isinstance(distinct_along, Iterable):
+        return distinct_along
+    return [
+        (list(pair[0]), pair[1])
+        if isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], Iterator)
+        else pair
+        for pair in distinct_along
+    ]
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
