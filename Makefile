@@ -63,8 +63,9 @@ test-compat:
 	touch $@
 
 # `make test-integrations`: each framework's recipe run against the framework itself, on 4 gloo
-# ranks (integration_tests/), with the versions pinned by the `integrations` extra. torch is
-# installed first, so that no framework pulls another build of it.
+# ranks (integration_tests/), and the complete scripts of docs/examples/ run by the commands the
+# Integrations page shows, with the versions the `integrations` extra pins and the test tools of
+# `integration-tests`. torch is installed first, so that no framework pulls another build of it.
 INTEGRATIONS := .venv-integrations
 
 test-integrations: $(INTEGRATIONS)/.installed
@@ -73,7 +74,7 @@ test-integrations: $(INTEGRATIONS)/.installed
 $(INTEGRATIONS)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(INTEGRATIONS)
 	$(INTEGRATIONS)/bin/python -m pip install --quiet torch==2.13.0 numpy
-	$(INTEGRATIONS)/bin/python -m pip install --quiet torch==2.13.0 -e '.[integrations]'
+	$(INTEGRATIONS)/bin/python -m pip install --quiet torch==2.13.0 -e '.[integration-tests]'
 	touch $@
 
 # `make test-gpu`: the checks that need a CUDA GPU, with the interpreter at hand and nothing

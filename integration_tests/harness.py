@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -44,6 +46,16 @@ def framework(name: str) -> ModuleType:
     if os.environ.get(REQUIRE_ENV) == "1":
         return importlib.import_module(name)
     return pytest.importorskip(name)
+
+
+def load_example(name: str) -> ModuleType:
+    """The script ``docs/examples/<name>.py`` as a module (its ``main`` not run)."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_ranks(entry: Callable[..., Any], *args: Any) -> list[Any]:

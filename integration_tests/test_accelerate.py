@@ -195,3 +195,41 @@ def test_accelerate_prepared_optimizer_skips_a_planted_inf_on_every_rank(scaling
             assert not skipped and scale == (first if step < PLANTED_STEP else backed_off)
             assert_norm(norm, runs[0][step]["materialised"])
             assert all(moved)
+
+
+def _retry_after_copies_differ() -> dict[str, Any]:
+    """Rank 1's copy of the LayerNorm's gradient (held by its tp peer too) made to differ after
+    backward: the adapter unscales, then the clip raises on every rank. Mended, the same call in
+    the same step clips, without unscaling twice."""
+    accelerator, net, dp_rank = _setup()
+    accelerator.scaler = GradScaler("cpu", init_scale=1024.0)
+    optimizer = accelerator.prepare(torch.optim.AdamW(net.parameters(), lr=1e-2))
+    x, y = batches(1, dp_rank)[0]
+    accelerator.backward(F.mse_loss(net(x), y))
+    grad = net.norm.weight.grad.to_local()
+    if dist.get_rank() == 1:
+        grad.mul_(2.0)
+    try:
+        clip_grad_norm_(accelerator, net, MAX_NORM)
+        first = "no error"
+    except ValueError as error:
+        first = str(error)
+    if dist.get_rank() == 1:
+        grad.div_(2.0)
+    oracle = materialised_norm(net.parameters())
+    norm = clip_grad_norm_(accelerator, net, MAX_NORM)
+    optimizer.step()
+    return {
+        "first": first,
+        "oracle": oracle,
+        "norm": bits(norm),
+        "skipped": optimizer.step_was_skipped,
+    }
+
+
+def test_accelerate_clip_called_again_after_copies_differed_unscales_once():
+    runs = run_ranks(_retry_after_copies_differ)
+    assert all("norm.weight" in run["first"] for run in runs), runs[0]["first"]
+    norm = float.fromhex(same_on_every_rank([run["norm"] for run in runs]))
+    assert_norm(norm, runs[0]["oracle"])  # the gradients unscaled once: the scale divided out
+    assert not any(run["skipped"] for run in runs)

@@ -352,3 +352,12 @@ def test_fp16_planted_inf_skips_the_step_on_every_rank(manual):
             assert not skipped and scale == (1024.0 if step < PLANTED_STEP else 512.0)
             assert_norm(norm, runs[0][step]["materialised"])
             assert all(moved)
+
+
+def test_mixin_listed_after_lightning_module_is_refused_at_class_definition():
+    """Listed after LightningModule, the mixin's hook would be bypassed and torch's mixed-mesh
+    error would follow: the class is refused when it is defined, naming the order that works."""
+    with pytest.raises(TypeError, match=r"class Late\(MeshSafeGradientClipping, Regression\)"):
+
+        class Late(Regression, MeshSafeGradientClipping):
+            pass

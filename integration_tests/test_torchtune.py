@@ -1,7 +1,7 @@
 """torchtune 0.6 on 4 CPU ranks: the model setup of its ``full_finetune_distributed`` recipe with
 tensor parallelism (``prepare_mha_for_tp``, ``parallelize_module`` with its Llama 3 TP plan,
 ``training.shard_model`` on the dp mesh) applied to a small Llama 3 built by
-``torchtune.models.llama3.llama3``, and the recipe's optimizer step: its
+``torchtune.models.llama3.llama3`` (``docs/examples/torchtune_tp.py``'s), and the recipe's optimizer step: its
 ``torch.nn.utils.clip_grad_norm_`` line beside this package's clip swapped in.
 
 The recipe itself is not run (it needs a checkpoint, a tokenizer and a dataset on disk); its
@@ -11,7 +11,6 @@ weights are the builder's seeded initialisation instead of a loaded checkpoint.
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Any
 
 import torch
@@ -21,42 +20,30 @@ from harness import (
     assert_norm,
     bits,
     framework,
+    load_example,
     materialised_norm,
     run_ranks,
     same_on_every_rank,
     start_rank,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import parallelize_module
 
 from credit.parallel.collectives import clip_grad_norm_
 from credit.parallel.replicas import verify_replicas
 
 framework("torchtune")
-from torchtune import training  # noqa: E402
-from torchtune.models.llama3 import base_llama_tp_plan, llama3  # noqa: E402
+EXAMPLE = load_example("torchtune_tp")
 
 STEPS = 3
 MAX_NORM = 0.05
-VOCAB, SEQ, BATCH = 64, 16, 2
+VOCAB, SEQ, BATCH = EXAMPLE.VOCAB, EXAMPLE.SEQ, EXAMPLE.BATCH
 
 
 def _recipe() -> dict[str, Any]:
     start_rank()
-    # The recipe's _setup_model with tensor_parallel_dim=2 on 4 ranks.
+    # The recipe's _setup_model with tensor_parallel_dim=2 on 4 ranks, as the example builds it.
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = llama3(
-        vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=SEQ
-    )
-    model = training.prepare_mha_for_tp(model, mesh["tp"])
-    parallelize_module(model, mesh["tp"], parallelize_plan=base_llama_tp_plan())
-    training.shard_model(
-        model=model,
-        shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
-        cpu_offload=False,
-        reshard_after_forward=True,
-        dp_mesh=mesh["dp"],
-    )
+    model = EXAMPLE.tensor_parallel_llama3(mesh, "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1234)
     dp_rank = mesh["dp"].get_local_rank()

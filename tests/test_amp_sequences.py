@@ -472,8 +472,12 @@ def _report_case(case: str) -> list[str]:
         model, names = layout.model, layout.model
     # torch's foreach AdamW refuses plain tensors beside DTensors (the tp layout).
     foreach = case != "tp logging norm"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
-    scaler = GradScaler("cpu", init_scale=INIT_SCALE, model=names)
+    if case == "param_names":  # no model for the scaler: the optimizer's own names
+        optimizer = torch.optim.AdamW(model.named_parameters(), lr=1e-2, foreach=foreach)
+        scaler = GradScaler("cpu", init_scale=INIT_SCALE)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+        scaler = GradScaler("cpu", init_scale=INIT_SCALE, model=names)
     scaler.scale(model(batch(layout, 0)).pow(2).mean()).backward()
     target = {"ddp": "first.bias", "tp logging norm": "blocks.0.q.weight"}.get(case, "embed.weight")
     if dist.get_rank() == 2:
@@ -490,10 +494,11 @@ def _report_case(case: str) -> list[str]:
     return [*reports, target]
 
 
-@pytest.mark.parametrize("case", ["ddp", "tp logging norm", "no clip"])
+@pytest.mark.parametrize("case", ["ddp", "tp logging norm", "no clip", "param_names"])
 def test_the_report_names_exactly_the_planted_gradient(ranks, case):
-    """DDP's replicas, a logging norm over the DTensor gradients before the clip, no norm at all:
-    one (rank, parameter) pair each, though the clip has made every gradient NaN since."""
+    """DDP's replicas, a logging norm over the DTensor gradients before the clip, no norm at all,
+    an optimizer built from ``named_parameters()`` and no model given to the scaler: one (rank,
+    parameter) pair each, though the clip has made every gradient NaN since."""
     results = ranks.run(WORLD, _report_case, case)
     *reports, target = results[0]
     assert reports == [
@@ -590,13 +595,14 @@ def test_per_rank_compares_nothing_in_check_mode(ranks, how):
 # --- scaling=False where the device is not there ------------------------------------------------
 
 
-def _skip_on_cpu(kind: str) -> dict:
-    """GradScaler("cuda", scaling=False) with the gradients on the CPU (on a machine without
-    CUDA, torch's scaler would disable itself): the flags follow the gradients."""
+def _skip_on_cpu(kind: str, scaling: bool) -> dict:
+    """GradScaler("cuda") with the loss and the gradients on the CPU (on a machine without CUDA,
+    torch's scaler disables itself, and a NaN step makes the weights NaN): the scale and the
+    flags follow the tensors."""
     layout = build("fsdp_tp")
     model = layout.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **{kind: True})
-    scaler = GradScaler("cuda", scaling=False)
+    scaler = GradScaler("cuda", scaling=scaling)
     kept = []
     for step in range(4):
         scaler.scale(model(batch(layout, step)).pow(2).mean()).backward()
@@ -611,13 +617,23 @@ def _skip_on_cpu(kind: str) -> dict:
         after = local_bits(model)
         kept.append(all(torch.equal(before[n], after[n]) for n in before))
     finite = all(bool(torch.isfinite(t).all()) for t in local_bits(model).values())
-    return {"kept": kept, "skipped_steps": scaler.skipped_steps, "finite": finite}
+    scale = scaler.get_scale()
+    return {"kept": kept, "skipped_steps": scaler.skipped_steps, "finite": finite, "scale": scale}
 
 
+@pytest.mark.parametrize("scaling", [False, True], ids=["skipping", "scaling"])
 @pytest.mark.parametrize("kind", ["foreach", "fused"])
-def test_skipping_without_scaling_follows_the_gradients_device(ranks, kind):
-    for result in ranks.run(WORLD, _skip_on_cpu, kind):
-        assert result == {"kept": [False, False, True, False], "skipped_steps": 1, "finite": True}
+def test_a_cuda_scaler_follows_the_gradients_device(ranks, kind, scaling):
+    """With or without scaling: the planted step is skipped on every rank, the weights stay
+    finite, and a scaling scaler backs off once from torch's initial scale."""
+    scale = 2.0**15 if scaling else 1.0
+    for result in ranks.run(WORLD, _skip_on_cpu, kind, scaling):
+        assert result == {
+            "kept": [False, False, True, False],
+            "skipped_steps": 1,
+            "finite": True,
+            "scale": scale,
+        }
 
 
 # --- a tensor max_norm that is NaN or negative ---------------------------------------------------

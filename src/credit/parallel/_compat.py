@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+from torch.amp.grad_scaler import OptState
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 # The right-to-left shard of FSDP2 + TP: a placement of its own, not a Shard subclass, from 2.10 on.
@@ -102,3 +103,16 @@ def uncompiled(module: nn.Module) -> nn.Module:
     while wrapper is not None and isinstance(module, wrapper):
         module = module._orig_mod
     return module
+
+
+def unscaled_since_update(scaler: object, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` ran since the scaler's last ``update()``.
+
+    ``torch.amp.GradScaler._per_optimizer_states[id(optimizer)]["stage"]`` is
+    ``OptState.UNSCALED`` then, on every supported release (2.10 to 2.15); a scaler without that
+    state (not torch's, nor a subclass) never is.
+    """
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, dict) or id(optimizer) not in states:
+        return False
+    return states[id(optimizer)]["stage"] is OptState.UNSCALED

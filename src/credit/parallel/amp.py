@@ -77,8 +77,10 @@ class GradScaler(torch.amp.GradScaler):
     steps whose gradients hold a NaN or inf, decided on every rank alike, and counts them. Its
     check rides on the clip's norm, so it costs no pass over the gradients when a clip follows
     ``unscale_``. It works on whatever device the gradients live on: ``device`` names the device
-    of a scale, and there is none. With scaling on, ``device`` is torch's: ``"cuda"`` on a
-    machine without CUDA disables the scaler, with torch's warning, skipping included.
+    of a scale, and there is none. With scaling on, the scale is created on the loss's device,
+    as torch's; where torch's scaler disables itself (``"cuda"`` on a machine without CUDA,
+    leaving non-finite steps to make the weights NaN), this one follows the loss and the
+    gradients onto the CPU, scales and skips as on a GPU, and logs that it did (at INFO).
 
     On a step skipped by a non-fused optimizer (whose step reads the answer on the host anyway),
     the scaler logs a warning naming the parameters whose gradients held a NaN or inf when
@@ -95,8 +97,9 @@ class GradScaler(torch.amp.GradScaler):
         scaling: scale the loss (fp16). False: no scaling, only the skipping of non-finite
             steps (bf16, float32).
         model: the module whose parameters the optimizers update, only to name them in the
-            skipped-step report (without it, parameters are named by their place in the
-            optimizer).
+            skipped-step report. Without it, the report takes the names an optimizer built from
+            ``model.named_parameters()`` keeps (its ``param_names``), and otherwise names a
+            parameter by its place in the optimizer and its shape.
 
     Attributes:
         scaling: whether the loss is scaled.
@@ -114,17 +117,14 @@ class GradScaler(torch.amp.GradScaler):
         scaling: bool = True,
         model: nn.Module | None = None,
     ) -> None:
-        # Without scaling there is no scale to place: torch's check of the device (which disables
-        # a "cuda" scaler without CUDA) would switch the skipping off for nothing.
         super().__init__(
-            device if scaling else "cpu",
+            _checked_device(device, scaling, enabled),
             init_scale if scaling else 1.0,
             growth_factor,
             backoff_factor,
             growth_interval,
             enabled,
         )
-        self._device = device
         self.scaling = scaling
         self._flags = _found_inf.StepFlags()  # one per optimizer, from unscale_ to update()
         self._names = {id(p): name for name, p in model.named_parameters()} if model else {}
@@ -336,12 +336,33 @@ class GradScaler(torch.amp.GradScaler):
         """The parameters whose gradients held a NaN or inf on this rank when unscale_ checked."""
         named = []
         for group_index, group in enumerate(optimizer.param_groups):
+            # torch's optimizers keep the names when built from model.named_parameters().
+            group_names = group.get("param_names") or ()
             for index, param in enumerate(group["params"]):
                 if param.grad is not None:
-                    default = f"param_groups[{group_index}][{index}] shape={tuple(param.shape)}"
-                    named.append(self._names.get(id(param), default))
+                    name = self._names.get(id(param))
+                    if name is None and index < len(group_names):
+                        name = group_names[index]
+                    if name is None:
+                        name = f"param_groups[{group_index}][{index}] shape={tuple(param.shape)}"
+                    named.append(name)
         flags = _found_inf.nonfinite(flag)
         return [name for name, up in zip(named, flags, strict=True) if up]
+
+
+def _checked_device(device: str, scaling: bool, enabled: bool) -> str:
+    """The device name handed to torch's constructor, which disables a ``"cuda"`` scaler on a
+    machine without CUDA (skipping included, with only a warning). The scale is created where
+    the loss (or, with ``scaling=False``, the gradients) lives, so on such a machine the scaler
+    follows the tensors it is given onto the CPU instead, and says so."""
+    if not (enabled and device == "cuda" and not torch.cuda.is_available()):
+        return device
+    if scaling:
+        logger.info(
+            'GradScaler("cuda"): CUDA is not available; the scale follows the loss and the '
+            'gradients onto their device (pass device="cpu" to say so)'
+        )
+    return "cpu"
 
 
 def _grads_device(optimizer: torch.optim.Optimizer) -> torch.device:

@@ -10,7 +10,8 @@ not import Lightning.
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +54,33 @@ class MeshSafeGradientClipping:
     grad_clip_distinct_along: DistinctAlong | None = None
     last_grad_norm: Tensor | None = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a class in which another ``configure_gradient_clipping`` (``LightningModule``'s,
+        when the mixin is listed after it) comes before the mixin's: the Trainer would call that
+        one, and torch's clip would raise its mixed-mesh error with no hint.
+
+        Raises:
+            TypeError: naming the class whose hook wins and the order of bases that works.
+        """
+        super().__init_subclass__(**kwargs)
+        for base in cls.__mro__[1:]:
+            if base is MeshSafeGradientClipping:
+                return
+            if "configure_gradient_clipping" in vars(base) and not issubclass(
+                base, MeshSafeGradientClipping
+            ):
+                mixins = [b for b in cls.__bases__ if issubclass(b, MeshSafeGradientClipping)]
+                bases = [*mixins, *(b for b in cls.__bases__ if b not in mixins)]
+                raise TypeError(
+                    f"{cls.__qualname__}: {base.__qualname__}.configure_gradient_clipping comes "
+                    "before MeshSafeGradientClipping's in the method resolution order, so the "
+                    "Trainer's gradient_clip_val would bypass the mixin (Lightning's own hook "
+                    "calls torch's clip, which raises on mixed meshes). List the mixin first: "
+                    f"class {cls.__name__}({', '.join(b.__name__ for b in bases)}). A hook of "
+                    "your own goes in a subclass of MeshSafeGradientClipping and calls "
+                    "self.clip_grad_norm_(optimizer, max_norm)"
+                )
+
     def configure_gradient_clipping(
         self,
         optimizer: torch.optim.Optimizer,
@@ -65,13 +93,17 @@ class MeshSafeGradientClipping:
             optimizer: the optimizer about to step.
             gradient_clip_val: the Trainer's ``gradient_clip_val``; None or 0 clips nothing.
             gradient_clip_algorithm: the Trainer's ``gradient_clip_algorithm``: ``"norm"``
-                (also when None, as in Lightning) or ``"value"``.
+                (also when None, as in Lightning) or ``"value"``, in any case.
+
+        Raises:
+            ValueError: ``gradient_clip_algorithm`` is neither ``"norm"`` nor ``"value"``.
+            TypeError: clipping by value in a class without Lightning's ``clip_gradients`` (the
+                mixin is not in a ``LightningModule``), or as :meth:`clip_grad_norm_`.
         """
-        if gradient_clip_algorithm is not None and gradient_clip_algorithm.lower() == "value":
+        algorithm = _algorithm(gradient_clip_algorithm)
+        if algorithm == "value":
             # Lightning's own clip by value: element-wise, right on every mesh.
-            cast(_ClipsGradients, self).clip_gradients(
-                optimizer, gradient_clip_val, gradient_clip_algorithm
-            )
+            _lightning_clip(self)(optimizer, gradient_clip_val, gradient_clip_algorithm)
         elif gradient_clip_val:
             self.clip_grad_norm_(optimizer, gradient_clip_val)
 
@@ -94,13 +126,23 @@ class MeshSafeGradientClipping:
             The total norm before clipping (also kept as :attr:`last_grad_norm`).
 
         Raises:
-            TypeError, ValueError, RuntimeError: as
+            TypeError: ``optimizer`` is not an optimizer (parameters, a module), or as
                 :func:`credit.parallel.collectives.clip_grad_norm_`.
+            ValueError, RuntimeError: as :func:`credit.parallel.collectives.clip_grad_norm_`.
         """
+        param_groups = getattr(optimizer, "param_groups", None)
+        if not isinstance(param_groups, list):
+            raise TypeError(
+                "MeshSafeGradientClipping.clip_grad_norm_ takes the optimizer whose parameters "
+                f"it clips, as Lightning's self.clip_gradients does, got a "
+                f"{type(optimizer).__name__}: pass self.optimizers() (in manual optimization) "
+                "or the hook's optimizer; to clip other parameters, call "
+                "credit.parallel.collectives.clip_grad_norm_(parameters, max_norm)"
+            )
         names = {id(p): name for name, p in cast(nn.Module, self).named_parameters()}
         named = [
             (names.get(id(p), f"param_groups[{group}][{index}]"), p)
-            for group, settings in enumerate(optimizer.param_groups)
+            for group, settings in enumerate(param_groups)
             for index, p in enumerate(settings["params"])
         ]
         self.last_grad_norm = clip_grad_norm_(
@@ -109,12 +151,36 @@ class MeshSafeGradientClipping:
         return self.last_grad_norm
 
 
-class _ClipsGradients(Protocol):
-    """The part of ``LightningModule`` the mixin calls: Lightning's own clip."""
+def _algorithm(gradient_clip_algorithm: object) -> str:
+    """``"norm"`` or ``"value"``, as Lightning reads the Trainer's setting (None is ``"norm"``).
 
-    def clip_gradients(
-        self,
-        optimizer: torch.optim.Optimizer,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None: ...
+    Raises:
+        ValueError: any other value, named.
+    """
+    if gradient_clip_algorithm is None:
+        return "norm"
+    # Lightning passes its GradClipAlgorithmType, a str enum; users pass strings.
+    algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)).lower()
+    if algorithm not in ("norm", "value"):
+        raise ValueError(
+            "gradient_clip_algorithm must be 'norm' or 'value' (None means 'norm', as in "
+            f"Lightning), got {gradient_clip_algorithm!r}"
+        )
+    return algorithm
+
+
+def _lightning_clip(module: object) -> Callable[..., None]:
+    """``LightningModule.clip_gradients`` of ``module``, which clips by value.
+
+    Raises:
+        TypeError: ``module`` has none: the mixin is outside a ``LightningModule``.
+    """
+    clip = getattr(module, "clip_gradients", None)
+    if not callable(clip):
+        raise TypeError(
+            f"clipping by value goes through LightningModule.clip_gradients, which "
+            f"{type(module).__name__} lacks: mix MeshSafeGradientClipping into a LightningModule "
+            "(class Model(MeshSafeGradientClipping, LightningModule)), or clip by value with "
+            "torch.nn.utils.clip_grad_value_, which works on any mesh"
+        )
+    return cast(Callable[..., None], clip)

@@ -1,0 +1,72 @@
+"""The complete scripts of docs/examples/, run by the commands the Integrations page shows.
+
+Every console line of ``docs/integrations.rst`` that runs a script of ``docs/examples/`` on the
+CPU (those with ``--device cuda`` need 4 GPUs) is run here as written, from the repository root,
+with this environment's ``python`` and ``torchrun`` first on the PATH. Each script prints one
+line per step and a last ``done:`` line once every rank has proven every copy of every weight and
+optimizer state bit-identical (``verify_replicas``); its gradient norms are the same on every rank
+by construction of the clip, which the other integration tests check against the materialised
+gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import framework
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "integrations.rst"
+# A console line of the page: "$ <command> ... docs/examples/<script>.py [arguments]".
+COMMAND = re.compile(r"^\s*\$ (?P<command>\S.*docs/examples/(?P<script>\w+)\.py.*?)\s*$")
+FRAMEWORKS = {
+    "lightning_fsdp_tp": "lightning",
+    "accelerate_fsdp_tp": "accelerate",
+    "torchtitan_meshes": "torchtitan",
+    "torchtune_tp": "torchtune",
+}
+STEP = re.compile(r"^step (\d+)  loss (\S+)  grad_norm (\S+)", re.MULTILINE)
+
+
+def _page_commands() -> list[tuple[str, str]]:
+    """(script, command) for every CPU command of the page, in the page's order."""
+    commands = []
+    for line in PAGE.read_text().splitlines():
+        match = COMMAND.match(line)
+        if match and "--device cuda" not in match["command"]:
+            commands.append((match["script"], match["command"]))
+    return commands
+
+
+COMMANDS = _page_commands()
+
+
+def test_the_page_runs_a_script_per_framework_and_the_plain_loop():
+    scripts = {script for script, _ in COMMANDS}
+    assert scripts >= {"torchrun_loop", *FRAMEWORKS}, scripts
+    for script in scripts:
+        assert (ROOT / "docs" / "examples" / f"{script}.py").is_file(), script
+
+
+@pytest.mark.parametrize(("script", "command"), COMMANDS, ids=[c for _, c in COMMANDS])
+def test_page_command_runs_as_written(script, command):
+    if script in FRAMEWORKS:
+        framework(FRAMEWORKS[script])
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("OMP_NUM_THREADS", None)  # as a user's shell has it
+    done = subprocess.run(
+        shlex.split(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = STEP.findall(done.stdout)
+    assert [int(step) for step, _, _ in steps] == list(range(len(steps))), done.stdout
+    assert len(steps) >= 3 and all(math.isfinite(float(norm)) for _, _, norm in steps)
+    assert re.search(r"^done: \d+ steps on 4 \w+.*replicas verified$", done.stdout, re.MULTILINE)
