@@ -267,7 +267,7 @@ def _bf16_fsdp_tp_sp_steps() -> list:
     model = _SequenceParallelBlock()
     plan = {
         "norm": SequenceParallel(),
-        "up": ColwiseParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
         "down": RowwiseParallel(output_layouts=Shard(1)),
     }
     parallelize_module(model, dp_tp["tp"], plan)
