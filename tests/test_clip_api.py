@@ -48,11 +48,11 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from credit.parallel._clip import clip_coefficient
 from credit.parallel._compat import local_tensor
 from credit.parallel._inputs import clip_bound
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import (
-    _clip_coefficient,
     clip_grad_norm_,
     clip_grads_with_norm_,
     get_total_norm,
@@ -277,7 +277,7 @@ def test_a_cpu_max_norm_enters_the_device_coefficient_as_a_scalar():
             total = torch.rand((), device="cuda", dtype=dtype)
             for label, max_norm in _forms(0.3):
                 with _Trace() as trace:
-                    coefficient = _clip_coefficient(clip_bound(max_norm), total)
+                    coefficient = clip_coefficient(clip_bound(max_norm), total)
                 assert trace.problems() == [], f"{dtype} {label}: {trace.problems()}"
                 assert (coefficient.device.type, coefficient.dtype, coefficient.shape) == (
                     "cuda",
@@ -315,7 +315,7 @@ def test_every_max_norm_form_on_cuda_gives_torchs_bits_without_a_sync():
         for norm, value in zip(norms.cuda(), values, strict=True):
             for _, max_norm in _forms(float(value)) + _forms(float(value), "cuda"):
                 reference = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
-                assert _same(_clip_coefficient(clip_bound(max_norm), norm), reference)
+                assert _same(clip_coefficient(clip_bound(max_norm), norm), reference)
 
         for device in ("cpu", "cuda"):
             for label, max_norm in _forms(2.5, device):

@@ -13,11 +13,20 @@ import warnings
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from credit.parallel._compat import local_tensor
-from credit.parallel._groups import GroupLike, group_ranks, is_distributed, resolve_group
+from credit.parallel._groups import (
+    GroupLike,
+    collective_device,
+    group_ranks,
+    is_distributed,
+    resolve_group,
+)
+from credit.parallel._layout_check import refuse_on_every_rank
 
 TensorOrTensors = Tensor | Iterable[Tensor]
 DistinctAlong = Iterable[tuple[TensorOrTensors, GroupLike]]
@@ -193,6 +202,39 @@ def scalar_view(tensor: Tensor, argument: str) -> Tensor:
     if tensor.is_meta:
         raise RuntimeError(f"{argument} is on the meta device and holds no value")
     return tensor.detach().reshape(())
+
+
+def norm_grads(
+    grads: list[Tensor],
+    argument: str,
+    what: str,
+    per_rank: bool,
+    pp_group: GroupLike,
+    distinct_along: DistinctAlong | None,
+    *,
+    on_every_rank: bool,
+) -> tuple[list[Tensor], ProcessGroup | None, list[frozenset[int] | None] | None]:
+    """The gradients of a norm checked: their local tensors, the pipeline group resolved, and
+    :func:`distinct_groups`.
+
+    A gradient no norm can take (:func:`grads_refusal`) raises on the ranks that hold it; with
+    ``on_every_rank`` (the check mode), every rank raises the refusal of the lowest rank that has
+    one, before any other collective (one small all_reduce).
+
+    Raises:
+        TypeError, ValueError: as ``total_grad_norm`` documents.
+    """
+    local = [local_tensor(grad) for grad in grads]
+    refusal = grads_refusal(local, argument)
+    if on_every_rank and not per_rank and dist.get_world_size() > 1:
+        refuse_on_every_rank(refusal, collective_device([t for t in local if not t.is_meta]), what)
+    elif refusal is not None:
+        kind, message = refusal
+        raise kind(message)
+    if per_rank:
+        check_per_rank(grads, pp_group, distinct_along)
+    pp_process_group = resolve_group(pp_group, "pp_group")
+    return local, pp_process_group, distinct_groups(distinct_along, grads)
 
 
 def check_per_rank(

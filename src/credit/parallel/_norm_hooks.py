@@ -86,3 +86,18 @@ def detach(listener: NormListener) -> None:
 def attached() -> tuple[NormListener, ...]:
     """The listeners attached now, in the order they were attached."""
     return tuple(_attached)
+
+
+def unanswered(local: list[Tensor]) -> int:
+    """How many of the attached listeners' questions a norm of ``local`` leaves unanswered on this
+    rank (see :meth:`NormListener.unanswered`); 0 without listeners."""
+    return sum(listener.unanswered(local) for listener in _attached)
+
+
+def notify(normed: Callable[[], Normed]) -> None:
+    """Hand every attached listener what a norm saw, built by ``normed`` only if one listens."""
+    if not _attached:
+        return
+    seen = normed()
+    for listener in tuple(_attached):
+        listener.normed(seen)

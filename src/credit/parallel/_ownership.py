@@ -276,6 +276,33 @@ def _ravel(coordinates: list[int], sizes: list[int]) -> int:
     return index
 
 
+@dataclass(frozen=True)
+class Counts:
+    """What the rank maps say of a layout's gradients on this rank.
+
+    Attributes:
+        error: why the copy count of some gradient cannot be derived (the first), or None.
+        weights: each gradient's :func:`weight`, in the order asked for.
+        coverage: each gradient's :func:`coverage` term, in input order.
+    """
+
+    error: str | None
+    weights: list[float]
+    coverage: list[int]
+
+
+def counts(
+    held: list[Holding], at: Stages, distinct: list[frozenset[int] | None], order: list[int]
+) -> Counts:
+    """The :class:`Counts` of a layout, its weights in the order ``order`` (input indices)."""
+    errors = (layout_error(h, at, d) for h, d in zip(held, distinct, strict=True))
+    return Counts(
+        error=next((e for e in errors if e is not None), None),
+        weights=[weight(held[i], at, distinct[i]) for i in order],
+        coverage=[coverage(h, at) for h in held],
+    )
+
+
 def weight(held: Holding, at: Stages, distinct: frozenset[int] | None) -> float:
     """``1 / copies``: the weight of this rank's contribution for ``held``.
 
@@ -388,6 +415,42 @@ def copy_group(
         share=share,
         confined=confined,
     )
+
+
+def copy_groups(
+    held: list[Holding],
+    at: Stages,
+    pp_group: ProcessGroup | None,
+    device: torch.device,
+    distinct: list[frozenset[int] | None],
+    *,
+    compare: bool,
+) -> list[CopyGroup | None]:
+    """Each gradient's :func:`copy_group`; all None without ``compare``. The stage's lowest rank
+    is asked for either way (:func:`lowest_rank_of_stage`: under pipeline stages, a collective
+    the first time per ``pp_group``), so that every rank of the world asks together."""
+    lowest = lowest_rank_of_stage(at, pp_group, device)
+    if not compare:
+        return [None] * len(held)
+    return [copy_group(h, at, lowest, d) for h, d in zip(held, distinct, strict=True)]
+
+
+def copy_slots(
+    held: list[Holding], at: Stages, distinct: list[frozenset[int] | None], order: list[int]
+) -> tuple[list[int], list[tuple[int, torch.dtype]]]:
+    """Within a single stage, a slot per group of copies, gradients in the order ``order``
+    (input indices): the slot of each gradient (0 where it has no copies), and each slot's
+    number of copies and dtype. The same on every rank of the stage that passed the layout
+    (:func:`copy_slot`)."""
+    slot_of = [0] * len(held)
+    per_slot: list[tuple[int, torch.dtype]] = []
+    for index in order:
+        count = copies(held[index], at, distinct[index])
+        if count > 1:
+            group, groups = copy_slot(held[index], at, distinct[index])
+            slot_of[index] = len(per_slot) + group
+            per_slot += [(count, held[index].dtype)] * groups
+    return slot_of, per_slot
 
 
 def copies(held: Holding, at: Stages, distinct: frozenset[int] | None) -> int:

@@ -9,8 +9,8 @@ Every function works without ``torch.distributed`` initialised, as on a world of
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+import functools
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -18,11 +18,10 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _buckets, _inputs, _norm_hooks, _norm_plan, _norms, _ownership
+from credit.parallel import _buckets, _clip, _inputs, _norm_order, _norm_request, _norms, _ownership
 from credit.parallel._compat import local_tensor
 from credit.parallel._foreach import (
     group_by_device_and_dtype,
-    use_foreach,
 )
 from credit.parallel._groups import (
     GroupLike,
@@ -343,19 +342,20 @@ def _norm_of(
 ) -> Tensor:
     """The total norm of ``grads`` for the public function ``what``, whose argument ``argument``
     holds them (named in messages)."""
-    request = _norms.request(
+    request = _norm_request.norm_request(
         grads,
+        what,
         norm_type,
+        error_if_nonfinite,
         foreach,
         pp_group,
         distinct_along,
         dtype,
         check,
-        what,
-        per_rank=per_rank,
+        per_rank,
         argument=argument,
     )
-    return _total_norm(grads, request, error_if_nonfinite).total
+    return _norms.reduce(request).total
 
 
 @torch.no_grad()
@@ -419,21 +419,21 @@ def clip_grad_norm_(
     """
     params, names = _inputs.parameter_list(parameters)
     bound = _inputs.clip_bound(max_norm)
-    grads = [grad for p in params if (grad := p.grad) is not None]
-    request = _norms.request(
-        grads,
+    request = _norm_request.norm_request(
+        [grad for p in params if (grad := p.grad) is not None],
+        "clip_grad_norm_",
         norm_type,
+        error_if_nonfinite,
         foreach,
         pp_group,
         distinct_along,
         dtype,
         check,
-        "clip_grad_norm_",
-        per_rank=per_rank,
-        label=_parameter_label(params, names),
+        per_rank,
+        label=functools.partial(_norm_request.parameter_label, params, names),
     )
-    reduced = _total_norm(grads, request, error_if_nonfinite)
-    _scale_(reduced.local, reduced.groups, reduced.total, bound, foreach)
+    reduced = _norms.reduce(request)
+    _clip.scale_(reduced.local, reduced.order.groups, reduced.total, bound, foreach)
     return reduced.total
 
 
@@ -491,77 +491,7 @@ def clip_grads_with_norm_(
     total = _inputs.scalar_view(total_norm, "total_norm")
     _inputs.check_grads(grads, "grads")
     local = [local_tensor(grad) for grad in grads]
-    _scale_(local, _norm_plan.order_of(local).groups, total, bound, foreach)
-
-
-def _parameter_label(params: list[Tensor], names: list[str] | None) -> Callable[[int], str]:
-    """Names the parameter of gradient ``index`` (counting the parameters with a gradient)."""
-
-    def label(index: int) -> str:
-        position = [i for i, param in enumerate(params) if param.grad is not None][index]
-        return names[position] if names is not None else f"parameters[{position}]"
-
-    return label
-
-
-def _total_norm(
-    grads: list[Tensor], request: _norms.NormRequest, error_if_nonfinite: bool
-) -> _norms.Reduced:
-    reduced = _norms.reduce(grads, request)
-    if error_if_nonfinite:
-        _norms.raise_if_nonfinite(reduced, request)
-    return reduced
-
-
-def _scale_(
-    local: list[Tensor],
-    groups: list[tuple[torch.device, list[int]]],
-    total: Tensor,
-    max_norm: float | Tensor,
-    foreach: bool | None,
-) -> None:
-    """torch's ``clip_grads_with_norm_`` on the local tensors ``local``, grouped by (device,
-    dtype) in ``groups``; the listeners learn of the coefficient."""
-    if not local:
-        return
-    clip_coef_clamped = _clip_coefficient(max_norm, total)
-    for device, indices in groups:
-        device_grads = [local[i] for i in indices]
-        coef = clip_coef_clamped.to(device)
-        if use_foreach(foreach, device_grads, device):
-            torch._foreach_mul_(device_grads, coef)
-        else:
-            for grad in device_grads:
-                grad.mul_(coef)
-    for listener in _norm_hooks.attached():
-        listener.scaled(local, clip_coef_clamped)
-
-
-def _clip_coefficient(max_norm: float | Tensor, total: Tensor) -> Tensor:
-    """torch's ``min(max_norm / (total + 1e-6), 1)``, with torch's bits: a 0-dim tensor of
-    ``total``'s dtype on ``total``'s device.
-
-    torch takes ``float(max_norm)``, and ``float / tensor`` is ``tensor.reciprocal() * float``,
-    the float rounded to the operation's math dtype (float64 for float64, else float32) and the
-    product rounded to the tensor's dtype. A tensor ``max_norm`` (0-dim, see
-    ``_inputs.clip_bound``) enters the same product as its second operand, converted to the
-    math dtype by the kernel, so it is never read on the host, and a CPU one is never copied to
-    the device: a 0-dim CPU tensor is a scalar operand of a CUDA kernel, read at launch as
-    torch's float is. The reciprocal is made 1-element so that, in type promotion, the 0-dim
-    operand takes its dtype whatever its own (float64 or an integer included). A NaN or negative
-    tensor gives a NaN coefficient (every gradient NaN, never flipped): the product is
-    multiplied by 1 or NaN, which changes no other bit.
-    """
-    denominator = total + 1e-6
-    if not isinstance(max_norm, Tensor):
-        return torch.clamp(float(max_norm) / denominator, max=1.0)
-    bound = max_norm
-    if bound.device != denominator.device and bound.device.type != "cpu":
-        bound = bound.to(denominator.device)  # a CUDA one for CPU gradients: float() reads it too
-    math_dtype = torch.float64 if denominator.dtype == torch.float64 else torch.float32
-    reciprocal = denominator.reciprocal().to(math_dtype).reshape(1)
-    coefficient = reciprocal * bound * torch.where(bound >= 0, 1.0, math.nan)
-    return torch.clamp(coefficient.to(denominator.dtype), max=1.0).reshape(())
+    _clip.scale_(local, _norm_order.order_of(local).groups, total, bound, foreach)
 
 
 @torch.no_grad()

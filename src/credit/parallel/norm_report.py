@@ -18,10 +18,12 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _inputs, _norms
+from credit.parallel import _inputs, _norm_request, _norm_verdict, _norms
 from credit.parallel._compat import is_shard
 from credit.parallel._groups import GroupLike
 from credit.parallel._inputs import DistinctAlong
+from credit.parallel._norm_request import NormRequest
+from credit.parallel._norm_results import Reduced
 from credit.parallel.grad_sync import is_tp_sharded
 
 __all__ = ["DEFAULT_GROUPS", "TOTAL", "grad_norm_report"]
@@ -105,33 +107,24 @@ def grad_norm_report(
     if not order > 0:
         raise ValueError(f"norm_type must be positive or inf, got {order}")
     named = _named_grads(named_parameters)
-    grads = [grad for _, grad, _ in named]
-    request = _norms.request(
-        grads,
+    request = _norm_request.norm_request(
+        [grad for _, grad, _ in named],
+        "grad_norm_report",
         order,
+        False,
         foreach,
         pp_group,
         distinct_along,
         dtype,
         check,
-        "grad_norm_report",
-        per_rank=per_rank,
+        per_rank,
         label=lambda index: named[index][0],
     )
     keys = [_group_name(group_by, name, param) for name, _, param in named]
     names = _report_names(keys, group_by, groups, request.pp_group)
     segment_of = [names.index(key) for key in keys]
-    reduced = _norms.reduce(grads, request, segment_of, len(names))
-    count, total = len(names), reduced.total
-    if reduced.host is None:  # one stage: group the per-gradient norms
-        norms, present = _group_norms(reduced, segment_of, count, order)
-        values = torch.cat([norms.to(total), total.reshape(1)]).tolist()  # the one read
-        if not math.isfinite(values[-1]):  # copies that differ leave a NaN total
-            _norms.raise_if_copies_differ(reduced, request)
-    else:  # stages: each group's norm and the total came back with the norm's own read
-        norms_and_total = torch.tensor(reduced.host[: count + 1], dtype=torch.float64)
-        values = norms_and_total.to(total.dtype).tolist()
-        present = [held > 0 for held in reduced.host[count + 1 :]]
+    reduced = _norms.reduce(request, segment_of, len(names))
+    values, present = _read(reduced, request, segment_of, len(names))
     keep_all = group_by is not None or groups is not None
     report = {
         name: value
@@ -142,8 +135,25 @@ def grad_norm_report(
     return report
 
 
+def _read(
+    reduced: Reduced, request: NormRequest, segment_of: list[int], count: int
+) -> tuple[list[float], list[bool]]:
+    """Each group's norm and the total, read on the host once, and whether each group has
+    gradients on some rank."""
+    total = reduced.total
+    if reduced.host is not None:  # stages: each group's norm and the total came back already
+        norms_and_total = torch.tensor(reduced.host[: count + 1], dtype=torch.float64)
+        present = [held > 0 for held in reduced.host[count + 1 :]]
+        return norms_and_total.to(total.dtype).tolist(), present
+    norms, present = _group_norms(reduced, segment_of, count, request.order)
+    values = torch.cat([norms.to(total), total.reshape(1)]).tolist()  # the one read
+    if not math.isfinite(values[-1]):  # copies that differ leave a NaN total
+        _norm_verdict.raise_if_copies_differ(reduced, request)
+    return values, present
+
+
 def _group_norms(
-    reduced: _norms.Reduced, segment_of: list[int], count: int, order: float
+    reduced: Reduced, segment_of: list[int], count: int, order: float
 ) -> tuple[Tensor, list[bool]]:
     """Each group's norm from the per-gradient norms, and whether the group has gradients.
 

@@ -1,0 +1,81 @@
+"""The norm's fourth step: this rank's norm of each local tensor, torch's kernels in torch's order.
+
+Partial gradients (sequence parallelism) are completed first (``_partial``). The norms are
+stacked in torch's (device, dtype) order (``_norm_plan.Order``), so that a layout without copies
+gives torch's bits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from credit.parallel import _norm_order, _partial
+from credit.parallel._compat import foreach_norm
+from credit.parallel._foreach import use_foreach
+from credit.parallel._norm_order import Order
+from credit.parallel._norm_plan import Kind, Plan
+from credit.parallel._norm_request import NormRequest
+
+
+@dataclass(frozen=True)
+class LocalNorms:
+    """This rank's norms of its local tensors.
+
+    Attributes:
+        order: the stacking order (the plan's, or torch's for a norm on one rank).
+        stacked: each local tensor's norm in that order; None without any, or where a stage's
+            layout is broken (it sends zeros beside its flag; within a stage the proof has
+            raised).
+    """
+
+    order: Order
+    stacked: Tensor | None
+
+
+def norms_of(request: NormRequest, plan: Plan | None) -> LocalNorms:
+    """The local norms of the request's gradients, in the plan's order after completing its
+    Partial gradients, or (without a plan: a norm on one rank) in torch's order."""
+    if plan is None:
+        order = _norm_order.order_of(request.local)
+        return LocalNorms(order, stacked_norms(request.local, order, request))
+    if not request.local or (plan.kind is Kind.STAGES and plan.error is not None):
+        return LocalNorms(plan.order, None)
+    completed = _partial.complete(request.local, plan.held, plan.partial)
+    return LocalNorms(plan.order, stacked_norms(completed, plan.order, request))
+
+
+def stacked_norms(local: list[Tensor], order: Order, request: NormRequest) -> Tensor | None:
+    """Each local tensor's norm, stacked in torch's order (None without any).
+
+    Empty tensors get a zero under the inf norm, where torch's kernels raise on them: a 1-row
+    weight sharded over two ranks leaves one of them an empty shard.
+    """
+    if not local:
+        return None
+    norms: list[Tensor] = []
+    for device, indices in order.groups:
+        tensors = [local[i] for i in indices]
+        empty = request.order == math.inf and any(t.numel() == 0 for t in tensors)
+        found = _norms_of([t for t in tensors if t.numel()] if empty else tensors, request, device)
+        if empty:
+            zero = torch.zeros((), dtype=request.dtype or tensors[0].dtype.to_real(), device=device)
+            kept = iter(found)
+            found = [next(kept) if t.numel() else zero for t in tensors]
+        norms.extend(found)
+    first_device = local[0].device
+    if any(device != first_device for device, _ in order.groups):  # .to() is a dispatch per norm
+        norms = [n.to(first_device) for n in norms]
+    return torch.stack(norms)
+
+
+def _norms_of(tensors: list[Tensor], request: NormRequest, device: torch.device) -> list[Tensor]:
+    if not tensors:
+        return []
+    order, dtype = request.order, request.dtype
+    if use_foreach(request.foreach, tensors, device):
+        return foreach_norm(tensors, order, dtype)
+    return [torch.linalg.vector_norm(t, order, dtype=dtype) for t in tensors]
