@@ -16,9 +16,9 @@ from torch import Tensor
 from credit.parallel import _norm_order, _partial
 from credit.parallel._compat import foreach_norm
 from credit.parallel._foreach import use_foreach
+from credit.parallel._inputs import NormRequest
 from credit.parallel._norm_order import Order
 from credit.parallel._norm_plan import Kind, Plan
-from credit.parallel._norm_request import NormRequest
 
 
 @dataclass(frozen=True)
@@ -30,22 +30,32 @@ class LocalNorms:
         stacked: each local tensor's norm in that order; None without any, or where a stage's
             layout is broken (it sends zeros beside its flag; within a stage the proof has
             raised).
+        segments: under pipeline stages, the segment of each stacked norm, as an index tensor.
     """
 
     order: Order
     stacked: Tensor | None
+    segments: Tensor | None = None
 
 
-def norms_of(request: NormRequest, plan: Plan | None) -> LocalNorms:
+def norms_of(
+    request: NormRequest, plan: Plan | None, segment_of: list[int] | None = None
+) -> LocalNorms:
     """The local norms of the request's gradients, in the plan's order after completing its
-    Partial gradients, or (without a plan: a norm on one rank) in torch's order."""
-    if plan is None:
-        order = _norm_order.order_of(request.local)
-        return LocalNorms(order, stacked_norms(request.local, order, request))
-    if not request.local or (plan.kind is Kind.STAGES and plan.error is not None):
+    Partial gradients, or (without a plan: a norm on one rank) in torch's order; under pipeline
+    stages, with the segment of each (``segment_of``, default: all in one)."""
+    if plan is not None and (
+        not request.local or (plan.kind is Kind.STAGES and plan.error is not None)
+    ):
         return LocalNorms(plan.order, None)
-    completed = _partial.complete(request.local, plan.held, plan.partial)
-    return LocalNorms(plan.order, stacked_norms(completed, plan.order, request))
+    if plan is not None:
+        local = _partial.complete(request.local, plan.held, plan.partial)
+        order = plan.order
+        segments = order.segments(segment_of) if plan.kind is Kind.STAGES else None
+    else:
+        order = _norm_order.order_of(request.local)
+        local, segments = request.local, None
+    return LocalNorms(order, stacked_norms(local, order, request), segments)
 
 
 def stacked_norms(local: list[Tensor], order: Order, request: NormRequest) -> Tensor | None:

@@ -29,10 +29,10 @@ from torch import Tensor
 
 from credit.parallel import _copies, _norm_hooks
 from credit.parallel._groups import moves_data
+from credit.parallel._inputs import NormRequest
 from credit.parallel._local_norms import LocalNorms
 from credit.parallel._norm_order import promoted
 from credit.parallel._norm_plan import RESULT_DTYPES, Kind, Plan
-from credit.parallel._norm_request import NormRequest
 from credit.parallel._norm_results import Reduced, StageDecisions
 
 
@@ -40,7 +40,6 @@ def reduce(
     norms: LocalNorms,
     request: NormRequest,
     plan: Plan | None,
-    segment_of: list[int] | None,
     segment_count: int,
 ) -> Reduced:
     """The norm over ranks of this rank's local norms ``norms``; without a plan, the norm of this
@@ -50,15 +49,13 @@ def reduce(
         norms: this rank's local norms (``_local_norms.norms_of``).
         request: the call's arguments.
         plan: the layout's plan; None for a norm on one rank.
-        segment_of: under pipeline stages, the segment of each gradient (default: all in one).
-        segment_count: the number of segments, the same on every rank.
+        segment_count: under pipeline stages, the number of segments, the same on every rank.
     """
     stacked = norms.stacked
     if plan is None:
         return _alone(norms, request)
     if plan.kind is Kind.STAGES:
-        segments = plan.order.segments(segment_of) if stacked is not None else None
-        return _stages(plan, stacked, request, segments, segment_count)
+        return _stages(plan, stacked, request, norms.segments, segment_count)
     result_dtype = request.dtype or plan.grads_dtype
     if stacked is None and plan.kind is Kind.REPLICAS:  # torch's norm of no tensors
         zero = torch.zeros((), dtype=result_dtype)

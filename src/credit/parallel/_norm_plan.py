@@ -29,9 +29,9 @@ from torch import Tensor
 
 from credit.parallel import _copies, _ownership, _partial
 from credit.parallel._groups import collective_device
+from credit.parallel._inputs import NormRequest
 from credit.parallel._layout_check import verify_same_layout
 from credit.parallel._norm_order import Order, order_on, promoted
-from credit.parallel._norm_request import NormRequest
 from credit.parallel._ownership import Holding, Stages
 from credit.parallel._scoped import ScopedCache
 

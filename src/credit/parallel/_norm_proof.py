@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from credit.parallel import _copies, _norm_failures, _ownership
 from credit.parallel._groups import moves_data
+from credit.parallel._inputs import NormRequest
 from credit.parallel._norm_plan import Plan
-from credit.parallel._norm_request import NormRequest
 from credit.parallel._norm_results import StageDecisions
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from credit.parallel import _norm_failures
-from credit.parallel._norm_request import NormRequest
+from credit.parallel._inputs import NormRequest
 from credit.parallel._norm_results import Reduced
 
 

@@ -4,7 +4,7 @@ The one norm behind ``total_grad_norm``, ``get_total_norm``, ``clip_grad_norm_``
 ``grad_norm_report``, as steps in order, each in a module of its own (the contributor's page,
 ``docs/design.rst``, draws them):
 
-1. request (``_norm_request``): the arguments, checked once, before any collective;
+1. request (``_inputs``): the arguments, checked once, before any collective;
 2. plan (``_norm_plan``): what the layout holds, built on its first call and kept;
 3. proof (``_norm_proof``): the layout proven on its first call, within a stage before the norm;
 4. local norms (``_local_norms``): torch's kernels in torch's order, after completing Partial
@@ -29,7 +29,7 @@ from credit.parallel import (
     _norm_proof,
     _norm_verdict,
 )
-from credit.parallel._norm_request import NormRequest
+from credit.parallel._inputs import NormRequest
 from credit.parallel._norm_results import Reduced
 
 
@@ -53,8 +53,8 @@ def reduce(
     if not request.alone:
         plan = _norm_plan.planned(request)
         _norm_proof.prove_if_due(plan, request)
-    norms = _local_norms.norms_of(request, plan)
-    reduced = _norm_collectives.reduce(norms, request, plan, segment_of, segment_count)
+    norms = _local_norms.norms_of(request, plan, segment_of)
+    reduced = _norm_collectives.reduce(norms, request, plan, segment_count)
     _norm_proof.settle_stages(plan, request, reduced.stages)
     reduced = _norm_verdict.settle(reduced, request)
     _norm_hooks.notify(reduced.normed)

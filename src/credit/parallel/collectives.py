@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _buckets, _clip, _inputs, _norm_order, _norm_request, _norms, _ownership
+from credit.parallel import _buckets, _clip, _inputs, _norm_order, _norms, _ownership
 from credit.parallel._compat import local_tensor
 from credit.parallel._foreach import (
     group_by_device_and_dtype,
@@ -342,7 +342,7 @@ def _norm_of(
 ) -> Tensor:
     """The total norm of ``grads`` for the public function ``what``, whose argument ``argument``
     holds them (named in messages)."""
-    request = _norm_request.norm_request(
+    request = _inputs.norm_request(
         grads,
         what,
         norm_type,
@@ -419,7 +419,7 @@ def clip_grad_norm_(
     """
     params, names = _inputs.parameter_list(parameters)
     bound = _inputs.clip_bound(max_norm)
-    request = _norm_request.norm_request(
+    request = _inputs.norm_request(
         [grad for p in params if (grad := p.grad) is not None],
         "clip_grad_norm_",
         norm_type,
@@ -430,7 +430,7 @@ def clip_grad_norm_(
         dtype,
         check,
         per_rank,
-        label=functools.partial(_norm_request.parameter_label, params, names),
+        label=functools.partial(_inputs.parameter_label, params, names),
     )
     reduced = _norms.reduce(request)
     _clip.scale_(reduced.local, reduced.order.groups, reduced.total, bound, foreach)

@@ -18,11 +18,10 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _inputs, _norm_request, _norm_verdict, _norms
+from credit.parallel import _inputs, _norm_verdict, _norms
 from credit.parallel._compat import is_shard
 from credit.parallel._groups import GroupLike
-from credit.parallel._inputs import DistinctAlong
-from credit.parallel._norm_request import NormRequest
+from credit.parallel._inputs import DistinctAlong, NormRequest
 from credit.parallel._norm_results import Reduced
 from credit.parallel.grad_sync import is_tp_sharded
 
@@ -107,7 +106,7 @@ def grad_norm_report(
     if not order > 0:
         raise ValueError(f"norm_type must be positive or inf, got {order}")
     named = _named_grads(named_parameters)
-    request = _norm_request.norm_request(
+    request = _inputs.norm_request(
         [grad for _, grad, _ in named],
         "grad_norm_report",
         order,
