@@ -43,7 +43,14 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from credit.parallel import _digests, _inputs, _ownership, _replica_failures
+from credit.parallel import (
+    _digests,
+    _inputs,
+    _ownership,
+    _replica_diagnosis,
+    _replica_messages,
+    _replica_repair,
+)
 from credit.parallel._compat import local_tensor, uncompiled
 from credit.parallel._groups import (
     GroupLike,
@@ -54,7 +61,8 @@ from credit.parallel._groups import (
     resolve_group,
 )
 from credit.parallel._ownership import CopyGroup, Holding, Stages
-from credit.parallel._replica_failures import WHAT, Entry, Mismatch
+from credit.parallel._replica_messages import WHAT
+from credit.parallel._replica_records import Entry, Held, Mismatch
 from credit.parallel._scoped import ScopedCache
 
 __all__ = ["Mismatch", "ReplicaMismatchError", "ReplicaReport", "verify_replicas"]
@@ -222,12 +230,12 @@ def verify_replicas(
     if not bool(vector.any()) or not moves_data():  # the verdict: the one host sync
         return report
     param_marks = marks[len(entries) :] if marks is not None else [None] * len(params)
-    mine = _replica_failures.Held(
-        entries=entries,
-        local=local,
-        held=plan.held,
-        groups=plan.groups,
-        compared=plan.compared,
+    mine = Held(
+        entries=tuple(entries),
+        local=tuple(local),
+        held=tuple(plan.held),
+        groups=tuple(plan.groups),
+        compared=tuple(plan.compared),
         at=plan.at,
         lowest=min(plan.stage),
         params=params,
@@ -240,20 +248,20 @@ def verify_replicas(
         "buffers": with_buffers,
     }
     error = outside if outside is not None else plan.error
-    failure = _replica_failures.diagnose(mine, digests, error, sources, arguments)
+    failure = _replica_diagnosis.diagnose(mine, digests, error, sources, arguments)
     mismatches = tuple(slot.mismatch for slot in failure.slots)
     if not repair:
         buffer_names = {name for name, _ in model.named_buffers()} if with_buffers else set()
-        message = _replica_failures.describe(failure, buffer_names)
+        message = _replica_messages.describe(failure, buffer_names)
         raise ReplicaMismatchError(message, mismatches)
     if any(m.reference is None for m in mismatches):
-        raise ReplicaMismatchError(_replica_failures.refusal(failure, sources), mismatches)
+        raise ReplicaMismatchError(_replica_messages.refusal(failure, sources), mismatches)
     states = optimizer.state if optimizer is not None else {}
-    unrepaired = _replica_failures.repair(failure, mine, states, plan.device)
+    unrepaired = _replica_repair.repair(failure, mine, states, plan.device)
     if unrepaired is not None:
         raise ReplicaMismatchError(unrepaired, mismatches)
     if dist.get_rank() == 0:
-        logger.warning("%s repaired %s", WHAT, _replica_failures.listed(mismatches))
+        logger.warning("%s repaired %s", WHAT, _replica_messages.listed(mismatches))
     return ReplicaReport(
         len(entries), len(plan.compared), plan.digests.nbytes, with_buffers, mismatches
     )
