@@ -9,7 +9,8 @@ that follows (``clip_grad_norm_``, ``total_grad_norm`` or ``grad_norm_report`` o
 when it covers the optimizer's gradients, whose reduced values are non-finite on every rank as
 soon as one rank holds a non-finite value, or by one small all_reduce of its own when the scaler
 needs the answer and no norm gave it (see ``_found_inf``). Every rank then takes the same
-decision and keeps the same scale; the norms return what they return without a scaler.
+decision and keeps the same scale; the norms return what they return without a scaler. The
+skipped steps are counted and reported by a helper the scaler holds (``_skipped_steps``).
 
 It is a subclass, as torch's own ShardedGradScaler is: it overrides ``unscale_``, ``step``,
 ``update``, ``state_dict``, ``load_state_dict`` and the protected ``_check_inf_per_device`` and
@@ -24,25 +25,16 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState
 
 from credit.parallel import _found_inf
 from credit.parallel._compat import local_tensor
-from credit.parallel._groups import collective_device, is_distributed
+from credit.parallel._skipped_steps import SkippedSteps
 
 __all__ = ["GradScaler"]
 
 logger = logging.getLogger(__name__)
-
-# The longest list of names one rank sends to the skipped-step report, in bytes.
-_REPORT_BYTES = 512
-
-_SPOILED = (
-    "no gradient held a NaN or inf when unscale_ checked it, but a clip's coefficient was not "
-    "finite (a NaN or negative max_norm, or a NaN norm) and made the gradients it scaled NaN"
-)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -127,11 +119,7 @@ class GradScaler(torch.amp.GradScaler):
         )
         self.scaling = scaling
         self._flags = _found_inf.StepFlags()  # one per optimizer, from unscale_ to update()
-        self._names = {id(p): name for name, p in model.named_parameters()} if model else {}
-        self._skipped_before = 0  # steps skipped before the state was loaded
-        self._skipped: Tensor | None = None  # steps skipped since, on the scale's device
-        self._last_skipped: Tensor | None = None
-        self._reports = 0  # skipped steps seen by a non-fused optimizer's step
+        self._skipped_steps = SkippedSteps(model)
 
     # --- scaling off ---------------------------------------------------------------------------
 
@@ -213,7 +201,9 @@ class GradScaler(torch.amp.GradScaler):
         **kwargs: Any,
     ) -> float | None:
         if self._decide(id(optimizer)).item():  # the host sync torch's own step makes here
-            self._report_skipped_step(optimizer)
+            flag = self._flags.get(id(optimizer))
+            assert flag is not None  # _decide read it
+            self._skipped_steps.report(optimizer, flag)
             return None
         return optimizer.step(*args, **kwargs)
 
@@ -237,9 +227,7 @@ class GradScaler(torch.amp.GradScaler):
             for answer in state["found_inf_per_device"].values()
         ]
         if found:
-            skipped = torch.stack([answer.to(found[0].device) for answer in found]).amax() > 0
-            self._last_skipped = skipped
-            self._skipped = skipped.long() if self._skipped is None else self._skipped + skipped
+            self._skipped_steps.count(found)
         elif new_scale is None:
             raise AssertionError("No inf checks were recorded prior to update.")
         if self.scaling:
@@ -259,14 +247,13 @@ class GradScaler(torch.amp.GradScaler):
     def skipped_steps(self) -> int:
         """How many steps were skipped so far, the same on every rank (reads the device);
         resumed from :meth:`load_state_dict`."""
-        since = 0 if self._skipped is None else int(self._skipped.item())
-        return self._skipped_before + since
+        return self._skipped_steps.total
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the step before the last :meth:`update` was skipped, the same on every rank
         (reads the device): step an LR scheduler only when it was not."""
-        return self._last_skipped is not None and bool(self._last_skipped.item())
+        return self._skipped_steps.last_skipped
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -276,11 +263,7 @@ class GradScaler(torch.amp.GradScaler):
         Empty when the scaler is disabled, as torch's. Call it after :meth:`update`."""
         state = super().state_dict()
         if state:
-            state.update(
-                scaling=self.scaling,
-                skipped_steps=self.skipped_steps,
-                reported_skips=self._reports,
-            )
+            state.update(scaling=self.scaling, **self._skipped_steps.state_dict())
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -303,51 +286,7 @@ class GradScaler(torch.amp.GradScaler):
                 "start this one from its own initial state"
             )
         super().load_state_dict(state_dict)
-        self._skipped_before = int(state_dict.get("skipped_steps", 0))
-        self._skipped = None
-        self._reports = int(state_dict.get("reported_skips", 0))
-
-    # --- the report of a skipped step ----------------------------------------------------------
-
-    def _report_skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Log which parameters held non-finite gradients, and where, on rate-limited steps."""
-        self._reports += 1
-        if self._reports & (self._reports - 1):  # the 1st, 2nd, 4th, 8th, ... only
-            return
-        flag = self._flags.get(id(optimizer))
-        assert flag is not None
-        mine = ", ".join(self._nonfinite_names(optimizer, flag))
-        everyone = _gather_text(mine)
-        if is_distributed() and dist.get_rank() != 0:
-            return
-        held = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(everyone) if text)
-        spoiled = flag.spoiled is not None and bool(flag.spoiled.item())
-        logger.warning(
-            "GradScaler skipped a step (the %s skipped so far): %s",
-            _ordinal(self._reports),
-            f"non-finite gradients in {held}"
-            if held
-            else (_SPOILED if spoiled else "no gradient this scaler checks held a NaN or inf"),
-        )
-
-    def _nonfinite_names(
-        self, optimizer: torch.optim.Optimizer, flag: _found_inf.Flag
-    ) -> list[str]:
-        """The parameters whose gradients held a NaN or inf on this rank when unscale_ checked."""
-        named = []
-        for group_index, group in enumerate(optimizer.param_groups):
-            # torch's optimizers keep the names when built from model.named_parameters().
-            group_names = group.get("param_names") or ()
-            for index, param in enumerate(group["params"]):
-                if param.grad is not None:
-                    name = self._names.get(id(param))
-                    if name is None and index < len(group_names):
-                        name = group_names[index]
-                    if name is None:
-                        name = f"param_groups[{group_index}][{index}] shape={tuple(param.shape)}"
-                    named.append(name)
-        flags = _found_inf.nonfinite(flag)
-        return [name for name, up in zip(named, flags, strict=True) if up]
+        self._skipped_steps.load_state_dict(state_dict)
 
 
 def _checked_device(device: str, scaling: bool, enabled: bool) -> str:
@@ -386,23 +325,3 @@ def _local_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[Ten
                 raise ValueError("Attempting to unscale FP16 gradients.")
             grads.append(grad._values() if grad.is_sparse else grad)
     return grads
-
-
-def _gather_text(text: str) -> list[str]:
-    """Every rank's ``text`` (truncated to _REPORT_BYTES), in one all_gather."""
-    if not (is_distributed() and dist.get_world_size() > 1):
-        return [text]
-    encoded = list(text.encode()[:_REPORT_BYTES])
-    mine = torch.zeros(_REPORT_BYTES, dtype=torch.uint8)
-    mine[: len(encoded)] = torch.tensor(encoded, dtype=torch.uint8)
-    mine = mine.to(collective_device())
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
-
-
-def _ordinal(number: int) -> str:
-    suffix = (
-        "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
-    )
-    return f"{number}{suffix}"
