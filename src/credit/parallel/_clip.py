@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from credit.parallel import _norm_hooks
-from credit.parallel._foreach import use_foreach
+from credit.parallel._compat import use_foreach
 
 
 def scale_(

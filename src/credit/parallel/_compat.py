@@ -71,15 +71,22 @@ def group_by_device_and_dtype(
     return {key: (lists[0], indices) for key, (lists, indices) in grouped.items()}  # type: ignore[misc]
 
 
-def foreach_supported(tensors: list[Tensor] | None, device: torch.device) -> bool:
-    """Whether torch runs foreach kernels on ``tensors`` (None: on any tensors of ``device``).
+def use_foreach(foreach: bool | None, tensors: list[Tensor], device: torch.device) -> bool:
+    """torch's rule for its foreach kernels: where supported when ``foreach`` is None; True
+    demands support (RuntimeError on a device without them), False never uses them.
 
     ``torch.utils._foreach_utils._has_foreach_support`` and ``_device_has_foreach_support`` on
     every supported release (2.10 to 2.15).
     """
-    if tensors is None:
-        return _foreach_utils._device_has_foreach_support(device)
-    return _foreach_utils._has_foreach_support(tensors, device)
+    if (foreach is None and _foreach_utils._has_foreach_support(tensors, device)) or (
+        foreach and _foreach_utils._device_has_foreach_support(device)
+    ):
+        return True
+    if foreach:
+        raise RuntimeError(
+            f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
+        )
+    return False
 
 
 def queue_at_end_of_backward(callback: Callable[[], None]) -> None:

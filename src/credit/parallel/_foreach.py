@@ -1,11 +1,10 @@
-"""torch's grouping of tensors by (device, dtype) and its choice of foreach kernels."""
+"""torch's grouping of tensors by (device, dtype), in the order that decides a stacked norm's bits."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from credit.parallel._compat import foreach_supported
 from credit.parallel._compat import group_by_device_and_dtype as _grouped
 
 
@@ -21,16 +20,3 @@ def group_indices_by_device_and_dtype(
 ) -> dict[tuple[torch.device, torch.dtype], list[int]]:
     """Indices into ``tensors`` grouped as :func:`group_by_device_and_dtype` groups them."""
     return {key: indices for key, (_, indices) in _grouped(tensors).items()}
-
-
-def use_foreach(foreach: bool | None, tensors: list[Tensor], device: torch.device) -> bool:
-    """torch's rule: foreach where supported when None; True demands support."""
-    if (foreach is None and foreach_supported(tensors, device)) or (
-        foreach and foreach_supported(None, device)
-    ):
-        return True
-    if foreach:
-        raise RuntimeError(
-            f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
-        )
-    return False

@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from credit.parallel import _norm_order, _partial
-from credit.parallel._compat import foreach_norm
-from credit.parallel._foreach import use_foreach
+from credit.parallel._compat import foreach_norm, use_foreach
 from credit.parallel._inputs import NormRequest
 from credit.parallel._norm_order import Order
 from credit.parallel._norm_plan import Kind, Plan

@@ -9,7 +9,6 @@ of gradients (each costs one host-to-device copy, the first time).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -94,10 +93,3 @@ def order_on(local: list[Tensor], device: torch.device) -> Order:
         grouped = group_indices_by_device_and_dtype(local)
         groups = [(where, indices) for (where, _), indices in grouped.items()]
     return Order(groups, [index for _, indices in groups for index in indices], device)
-
-
-def promoted(dtypes: set[torch.dtype]) -> torch.dtype:
-    """The dtype torch's stacked norm of tensors of ``dtypes`` would have."""
-    if not dtypes:
-        return torch.get_default_dtype()
-    return functools.reduce(torch.promote_types, dtypes).to_real()

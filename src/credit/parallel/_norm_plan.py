@@ -21,8 +21,10 @@ segments, a scaler's set of gradients).
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,7 +33,7 @@ from credit.parallel import _copies, _ownership, _partial
 from credit.parallel._groups import collective_device
 from credit.parallel._inputs import NormRequest
 from credit.parallel._layout_check import verify_same_layout
-from credit.parallel._norm_order import Order, order_on, promoted
+from credit.parallel._norm_order import Order, order_on
 from credit.parallel._ownership import Holding, Stages
 from credit.parallel._scoped import ScopedCache
 
@@ -176,39 +178,59 @@ def _plan(
     device: torch.device,
 ) -> Plan:
     distinct: list[frozenset[int] | None] = declared if declared is not None else [None] * len(held)
-    grads_dtype = promoted({h.dtype for h in held})
-    order = order_on(local, device)
-    counts = _ownership.counts(held, at, distinct, order.stacked)
-    error = counts.error or _partial.unsupported(held)
-    partial = _partial.batches(held)
-    weights, votes, checks, verification = _constants(counts, grads_dtype, at, error, order.device)
+    kind = _kind(held, at, declared)
+    grads_dtype = _promoted({h.dtype for h in held})
+    constants = _constants(held, local, at, distinct, grads_dtype, device)
+    weights = constants.weights
     return Plan(
-        order=order,
+        order=constants.order,
         held=held,
         at=at,
         distinct=distinct,
-        kind=_kind(held, at, declared),
+        kind=kind,
         grads_dtype=grads_dtype,
-        error=error,
-        coverage=counts.coverage,
-        partial=partial,
+        error=constants.error,
+        coverage=constants.coverage,
+        partial=_partial.batches(held),
         weights=weights,
         weights_in={} if weights is None else {d: weights.to(d) for d in _WEIGHT_DTYPES},
-        votes=votes,
-        checks=checks,
-        verification=verification,
+        votes=constants.votes,
+        checks=constants.checks,
+        verification=constants.verification,
     )
 
 
+def _promoted(dtypes: set[torch.dtype]) -> torch.dtype:
+    """The dtype torch's stacked norm of tensors of ``dtypes`` would have."""
+    if not dtypes:
+        return torch.get_default_dtype()
+    return functools.reduce(torch.promote_types, dtypes).to_real()
+
+
+class _Constants(NamedTuple):
+    order: Order
+    error: str | None
+    coverage: list[int]
+    weights: Tensor | None
+    votes: Tensor
+    checks: Tensor
+    verification: Tensor
+
+
 def _constants(
-    counts: _ownership.Counts,
-    grads_dtype: torch.dtype,
+    held: list[Holding],
+    local: list[Tensor],
     at: Stages,
-    error: str | None,
+    distinct: list[frozenset[int] | None],
+    grads_dtype: torch.dtype,
     device: torch.device,
-) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
-    """The weights, votes, checks and verification terms of :class:`Plan`, on ``device`` in one
-    host-to-device copy; the weights None where every one is 1."""
+) -> _Constants:
+    """What the rank maps and dtypes give the plan: the order, the first error, the self-check's
+    terms, and the weights, votes, checks and verification terms on ``device`` in one
+    host-to-device copy (the weights None where every one is 1)."""
+    order = order_on(local, device)
+    counts = _ownership.counts(held, at, distinct, order.stacked)
+    error = counts.error or _partial.unsupported(held)
     coverage, stacked_weights = counts.coverage, counts.weights
     votes: list[float] = []
     checks, slots = [], [float(c) for c in coverage]
@@ -218,21 +240,13 @@ def _constants(
             votes[RESULT_DTYPES.index(grads_dtype)] = 1.0
         checks = [float(sum(coverage)), float(error is not None)]
         slots = [float(sum(coverage)) if stage == at.index else 0.0 for stage in range(at.count)]
-    verification = [*slots, float(error is not None)]
-    rows = [stacked_weights, votes, checks, verification]
+    rows = [stacked_weights, votes, checks, [*slots, float(error is not None)]]
     packed = torch.tensor(
         [value for row in rows for value in row], dtype=torch.float64, device=device
     )
-    weights, votes_on_device, checks_on_device, verification_on_device = packed.split(
-        [len(row) for row in rows]
-    )
+    weights, *on_device = packed.split([len(row) for row in rows])
     unweighted = all(w == 1.0 for w in stacked_weights)
-    return (
-        None if unweighted else weights,
-        votes_on_device,
-        checks_on_device,
-        verification_on_device,
-    )
+    return _Constants(order, error, coverage, None if unweighted else weights, *on_device)
 
 
 def _kind(held: list[Holding], at: Stages, declared: list[frozenset[int] | None] | None) -> Kind:

@@ -30,6 +30,7 @@ from credit.parallel import (
     _norm_verdict,
 )
 from credit.parallel._inputs import NormRequest
+from credit.parallel._norm_plan import Kind
 from credit.parallel._norm_results import Reduced
 
 
@@ -54,7 +55,10 @@ def reduce(
         plan = _norm_plan.planned(request)
         _norm_proof.prove_if_due(plan, request)
     norms = _local_norms.norms_of(request, plan, segment_of)
-    reduced = _norm_collectives.reduce(norms, request, plan, segment_count)
+    # Under pipeline stages the listeners' questions ride on the stages' all_reduce.
+    stages = plan is not None and plan.kind is Kind.STAGES
+    unanswered = _norm_hooks.unanswered(request.local) if stages else 0
+    reduced = _norm_collectives.reduce(norms, request, plan, segment_count, unanswered)
     _norm_proof.settle_stages(plan, request, reduced.stages)
     reduced = _norm_verdict.settle(reduced, request)
     _norm_hooks.notify(reduced.normed)
