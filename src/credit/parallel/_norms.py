@@ -10,10 +10,9 @@ The one norm behind ``total_grad_norm``, ``get_total_norm``, ``clip_grad_norm_``
 4. local norms (``_local_norms``): torch's kernels in torch's order, after completing Partial
    gradients;
 5. the collective (``_norm_collectives``): one all_reduce, of a kind per layout;
-6. verdict (``_norm_verdict``): copies that differ, and non-finite norms, raised the same on every
-   rank where reading is free or asked for;
-7. listeners (``_norm_hooks``): the GradScaler's flags read every norm's result; they never change
-   it. A clip then scales the gradients (``_clip``).
+6. verdict (``_norm_verdict``): copies that differ, raised the same on every rank where reading is
+   free; the listeners (``_norm_hooks``: the GradScaler's flags) then read the result, which they
+   never change; then ``error_if_nonfinite``'s read. A clip then scales the gradients (``_clip``).
 
 Every rank issues the same collectives, decided by the world, ``pp_group`` and the layout that all
 ranks of a stage share, never by what one rank happens to hold.
