@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from credit.parallel._norm_hooks import Normed
@@ -64,11 +63,6 @@ class Reduced:
     plan: Plan | None = None
     differ: Tensor | None = None
     stages: StageDecisions | None = None
-
-    @property
-    def groups(self) -> list[tuple[torch.device, list[int]]]:
-        """The indices of ``local`` by (device, dtype), in torch's order, with the device."""
-        return self.order.groups
 
     def normed(self) -> Normed:
         """What the listeners (``_norm_hooks``) read of this norm."""
