@@ -266,11 +266,12 @@ def _report(layout: str, world: World) -> Call:
 
 
 def _nonfinite_error(what: str, layout: str, world: World) -> Call:
+    pp_group = world.pp_dp["pp"] if layout == "pp" else None
     if what == "total_grad_norm":
         grads = world.grads(layout)
-        return lambda: _total_grad_norm(grads, error_if_nonfinite=True)
+        return lambda: _total_grad_norm(grads, error_if_nonfinite=True, pp_group=pp_group)
     params = world.params(layout)
-    return lambda: clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
+    return lambda: clip_grad_norm_(params, 1.0, error_if_nonfinite=True, pp_group=pp_group)
 
 
 def _nonfinite_raised(layout: str, world: World) -> Call:
@@ -436,6 +437,15 @@ ROWS: tuple[Row, ...] = (
         )
         for what in ("total_grad_norm", "clip_grad_norm_")
         for layout, suffix in (("mixed", ""), ("plain", ", plain replicas"))
+    ),
+    # Under pipeline stages the total comes back with the stages' one read: nothing more.
+    *(
+        Row(
+            f"{what} error_if_nonfinite=True, pp_group",
+            partial(_nonfinite_error, what, "pp"),
+            reads=1,
+        )
+        for what in ("total_grad_norm", "clip_grad_norm_")
     ),
     # The same read answered "not finite": the copies' verdict comes back with it.
     *(

@@ -107,7 +107,7 @@ def test_the_recorder_sees_a_read_and_a_copy_in_the_library():
     with HostSyncs() as syncs:
         total_grad_norm([torch.ones(3)], error_if_nonfinite=True)
         float(torch.ones(2).sum())  # outside the library: not counted
-    assert syncs.events == {(READ, "_norm_verdict.py:raise_if_nonfinite"): 1}
+    assert syncs.events == {(READ, "_norm_verdict.py:_finite_and_differ"): 1}
     with HostSyncs() as syncs:
         torch.ones(2).tolist()
         torch.tensor([1.0, 2.0])
@@ -116,7 +116,7 @@ def test_the_recorder_sees_a_read_and_a_copy_in_the_library():
 
 
 # Each rank's events, named by the calls of the trainer.
-PLAN = (FROM_HOST, "_norm_plan.py:_constants")  # the plan's constants, one copy
+PLAN = (FROM_HOST, "_norm_plan.py:_on_device")  # the plan's constants, one copy
 COPIES = (FROM_HOST, "_copies.py:plan")  # the comparison of copies' constants, one copy
 VERDICT = (READ, "_norm_proof.py:prove")  # the verification's verdict
 INDEX = (FROM_HOST, "_norm_order.py:indices")  # an index tensor asked for the first time

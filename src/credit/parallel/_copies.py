@@ -14,20 +14,18 @@ Each rank takes a fingerprint of each local shard ``x`` (in float64): its L2 nor
 fingerprints. Shards whose values differ by ``d`` (in L2) have projections that differ by about
 ``d`` each, whatever their norms: a random projection keeps distances.
 
-Within a stage each group of ``c`` copies has a slot of its own (``_ownership.copy_slot``), where
-each member adds ``f`` and ``f**2`` per fingerprint column (the plan keeps each slot's ``c`` and
-``tau``). From the sums, every rank computes the spread ``sqrt(sum (f - mean f)**2) =
-sqrt(S2 - S1**2 / c)`` of each column and compares it with ``tau`` times the copies' mean norm
-(:func:`_grouped_differ`). One copy that differs from the others by ``e`` has spread
-``e * sqrt((c - 1) / c)``: it is caught whenever ``e > sqrt(2) * tau * mean norm``, whichever
-copy it is and however many copies there are.
+Each group of ``c`` copies has a slot of its own (``_ownership.copy_slot``), where each member
+adds ``f`` and ``f**2`` per fingerprint column. From the sums, every rank computes the spread
+``sqrt(sum (f - mean f)**2) = sqrt(S2 - S1**2 / c)`` of each column and compares it with ``tau``
+times the copies' mean norm (:func:`_grouped_differ`). One copy that differs from the others by
+``e`` has spread ``e * sqrt((c - 1) / c)``: it is caught whenever ``e > sqrt(2) * tau * mean
+norm``, whichever copy it is and however many copies there are.
 
-Under pipeline stages a rank cannot see the other stages' groups, so each stage has one slot,
-pooled over its groups: the member ``i`` of a group sends ``rho * (ref_i - 1 / c) * (f_i,
-f_i**2)``, ``ref_i`` being 1 on the group's reference (``_ownership.copy_group``) and 0 elsewhere,
-so the group adds ``rho * (f_ref - mean f, f_ref**2 - mean f**2)``, zero exactly when every copy
-equals the reference; ``rho``, a pseudo-random weight in [1, 2) per group, keeps groups from
-cancelling out. A looser test: its bound grows with ``c``.
+Within a stage every rank knows each slot's ``c`` and ``tau`` (the plan keeps them). Under
+pipeline stages a rank knows its own stage's slots only, so the limits travel in the sums: each
+member also adds 1 and its ``tau``, and every rank reads ``c`` and ``tau`` of every slot of every
+stage from the reduced vector (a slot no rank wrote is empty and passes). Each stage writes into a
+region of its own (``_stage_slots``); the test is the same, slot by slot.
 
 Tolerance ``tau = max(2**-16, 8 eps)`` of the gradient's dtype (float32 and float64: 1.5e-5;
 float16: 7.8e-3; bfloat16: 6.3e-2). Copies reduced by an all_reduce are bit-identical; copies
@@ -39,7 +37,6 @@ values differ by about the size of the values, 1.4 times the norm for independen
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +45,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from credit.parallel._compat import foreach_norm
 from credit.parallel._foreach import group_indices_by_device_and_dtype
-from credit.parallel._ownership import CopyGroup, Holding
+from credit.parallel._ownership import CopyGroup
 
 _PERIOD = 1021  # the patterns repeat with this prime period, which no tensor dim is likely to share
 _PROJECTIONS = 4
@@ -62,23 +59,20 @@ _SUMMATION = 2.0**-51
 
 @dataclass(frozen=True)
 class Slots:
-    """Where the gradients' sums go: a slot per group of copies within a stage, or one slot per
-    pipeline stage, pooled over its groups.
+    """Where the gradients' sums go within this rank's stage: a slot per group of copies.
 
     Attributes:
-        of: the slot of each gradient (this rank's group's, or its stage's).
-        count: the number of slots, the same on every rank.
-        limits: per slot, the number of copies of its group and their tolerance; None where the
-            slots are pooled (each group's tolerance then travels in the sums).
+        of: the slot of each gradient (this rank's group's; 0 where it has no copies).
+        limits: per slot, the number of copies of its group and their tolerance; the same on
+            every rank of the stage.
     """
 
     of: list[int]
-    count: int
-    limits: list[tuple[float, float]] | None = None
+    limits: list[tuple[float, float]]
 
     @property
-    def pooled(self) -> bool:
-        return self.limits is None
+    def count(self) -> int:
+        return len(self.limits)
 
 
 @dataclass(frozen=True)
@@ -88,13 +82,12 @@ class Plan:
     Attributes:
         groups: each gradient's copy group on this rank (None where it holds nothing).
         compared: the gradients with copies (groups larger than one), the only ones fingerprinted.
-        slot_count: how many slots of sums, the same on every rank.
-        pooled: whether a slot pools the groups of many gradients (see :class:`Slots`).
-        factors: per compared gradient, ``rho * (ref - 1 / c)`` and ``rho * (ref + 1 / c) * tau``
-            where the slots are pooled (shape (len(compared), 2)), float64 on the device; empty
-            otherwise.
+        slot_count: how many slots this rank's stage has.
         limits: per slot, its copies and their tolerance (shape (slot_count, 2)), float64 on the
-            device; empty where the slots are pooled.
+            device.
+        carried: under pipeline stages, what each compared gradient adds to carry its slot's
+            limits, 1 and ``tau`` (shape (len(compared), 2)), float64 on the device; None within
+            a stage, whose ranks all know the limits.
         slots: per compared gradient, the slot it adds into, an index tensor on the device.
         positions: per compared gradient, the place of its norm among the call's stacked norms,
             an index tensor on the device (for the comparison of every call).
@@ -103,70 +96,53 @@ class Plan:
     groups: list[CopyGroup | None]
     compared: list[int]
     slot_count: int
-    pooled: bool
-    factors: Tensor
     limits: Tensor
+    carried: Tensor | None
     slots: Tensor
     positions: Tensor
 
 
 def plan(
-    held: list[Holding],
     groups: list[CopyGroup | None],
     slots: Slots,
     position_of: list[int],
     device: torch.device,
+    *,
+    carry_limits: bool,
 ) -> Plan:
     """The :class:`Plan` of one layout, its constants on ``device`` in one host-to-device copy.
 
     Args:
-        held: what this rank holds of each gradient.
         groups: each gradient's copy group on this rank.
         slots: where each gradient's sums go.
         position_of: the place of each gradient's norm among the stacked norms of a call.
         device: where the comparison's tensors live.
+        carry_limits: whether the sums carry each slot's limits (under pipeline stages).
     """
     compared = [i for i, group in enumerate(groups) if group is not None and group.size > 1]
-    rows = []
-    for index in compared:
-        group = groups[index]
-        assert group is not None
-        factors = []
-        if slots.pooled:
-            rho = _pseudo_random(index, *group.key)
-            ref = 1.0 if group.is_reference else 0.0
-            tau = tolerance(held[index].dtype)
-            factors = [rho * (ref - 1.0 / group.size), rho * (ref + 1.0 / group.size) * tau]
-        rows.append([*factors, float(slots.of[index]), float(position_of[index])])
-    width = 4 if slots.pooled else 2
-    limits = slots.limits or []
-    flat = [value for row in rows for value in row] + [value for pair in limits for value in pair]
+    places = [[float(slots.of[i]), float(position_of[i])] for i in compared]
+    carried = [[1.0, slots.limits[slots.of[i]][1]] for i in compared] if carry_limits else []
+    rows = [places, carried, [list(pair) for pair in slots.limits]]
+    flat = [value for table in rows for row in table for value in row]
     packed = torch.zeros(0, dtype=torch.float64, device=device)
     if flat:  # one copy, where some gradient has copies
         packed = torch.tensor(flat, dtype=torch.float64, device=device)
-    constants, on_device = packed.split([len(rows) * width, 2 * len(limits)])
-    constants = constants.view(len(rows), width)
+    on_device = packed.split([2 * len(table) for table in rows])
+    places_on_device, carried_on_device, limits = (part.view(-1, 2) for part in on_device)
     return Plan(
         groups=groups,
         compared=compared,
         slot_count=slots.count,
-        pooled=slots.pooled,
-        factors=constants[:, : width - 2],
-        limits=on_device.view(len(limits), 2),
-        slots=constants[:, width - 2].long(),
-        positions=constants[:, width - 1].long(),
+        limits=limits,
+        carried=carried_on_device if carry_limits else None,
+        slots=places_on_device[:, 0].long(),
+        positions=places_on_device[:, 1].long(),
     )
 
 
 def tolerance(dtype: torch.dtype) -> float:
     """``tau``: how far copies may differ, relative to the shard's norm (see the module docstring)."""
     return max(_TOLERANCE, _ROUNDINGS * torch.finfo(dtype).eps)
-
-
-def _pseudo_random(*key: int) -> float:
-    """A number in [1, 2) that depends on ``key`` only, the same in every process."""
-    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-    return 1.0 + int.from_bytes(digest, "little") / 2.0**64
 
 
 def fingerprints(tensors: list[Tensor], device: torch.device) -> Tensor:
@@ -217,54 +193,53 @@ def _patterns(device: torch.device) -> Tensor:
 
 def width(plan: Plan, columns: int) -> int:
     """How many sums a slot holds for fingerprints of ``columns`` columns."""
-    return 4 * columns if plan.pooled else 2 * columns
+    return 2 * columns + (2 if plan.carried is not None else 0)
 
 
-def terms(plan: Plan, local: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+def terms(
+    plan: Plan,
+    local: list[Tensor],
+    device: torch.device,
+    rows: int,
+    offset: int | None,
+) -> tuple[Tensor, Tensor]:
     """This rank's addends of the first call's comparison (full fingerprints), shape
-    (slot_count, width), and whether a fingerprint was not finite (1.0, else 0.0; then the
-    addends are zeros: NaN and inf cannot be compared), both float64 on ``device``. Nothing is
-    read on the host.
+    (rows, width), and whether a fingerprint was not finite (1.0, else 0.0; then the addends are
+    zeros: NaN and inf cannot be compared), both float64 on ``device``. Nothing is read on the
+    host. ``rows`` and ``offset``: as for :func:`terms_of`.
     """
-    if not plan.compared:
-        summed = torch.zeros(
-            plan.slot_count, width(plan, _COLUMNS), dtype=torch.float64, device=device
-        )
-        return summed, torch.zeros((), dtype=torch.float64, device=device)
-    prints = fingerprints([local[i] for i in plan.compared], device)
-    nonfinite = ~torch.isfinite(prints).all()
-    summed = terms_of(plan, torch.where(nonfinite, 0.0, prints))
-    return summed, nonfinite.to(torch.float64)
+    prints = torch.zeros(0, _COLUMNS, dtype=torch.float64, device=device)
+    nonfinite = torch.zeros((), dtype=torch.float64, device=device)
+    if plan.compared and offset is not None:
+        prints = fingerprints([local[i] for i in plan.compared], device)
+        found = ~torch.isfinite(prints).all()
+        prints, nonfinite = torch.where(found, 0.0, prints), found.to(torch.float64)
+    return terms_of(plan, prints, rows, offset), nonfinite
 
 
-def terms_of(plan: Plan, prints: Tensor) -> Tensor:
+def terms_of(plan: Plan, prints: Tensor, rows: int, offset: int | None) -> Tensor:
     """This rank's addends of the comparison of fingerprints ``prints`` (one row per compared
-    gradient, in float64: full fingerprints, or the local norms alone), shape (slot_count,
-    width). A NaN or inf fingerprint makes its slot's sums NaN or inf.
+    gradient, in float64: full fingerprints, or the local norms alone), shape (rows, width): each
+    column ``f`` and ``f**2`` in the gradient's slot, and under pipeline stages 1 and ``tau``
+    beside them (see :func:`differ`). A NaN or inf fingerprint makes its slot's sums NaN or inf.
 
-    A slot per group of copies sums, over its members, each column ``f`` and ``f**2`` (see
-    :func:`differ`). Pooled slots sum ``coefficient * f``, ``coefficient * f**2`` and their
-    tolerances, ``scale * (|x| + |f|)`` and ``scale * (|x| + |f|)**2``, ``|x|`` being the norm
-    (the first column): the difference between each group's reference and its mean.
+    Args:
+        plan: the layout's comparison.
+        prints: the fingerprints.
+        rows: the slots of the whole comparison (``_stage_slots.section``).
+        offset: where this stage's slots start among them; None: nowhere, the addends are
+            zeros.
     """
     columns = prints.shape[1]
-    summed = torch.zeros(
-        plan.slot_count, width(plan, columns), dtype=torch.float64, device=prints.device
-    )
-    if not plan.compared:
+    summed = torch.zeros(rows, width(plan, columns), dtype=torch.float64, device=prints.device)
+    if not plan.compared or offset is None:
         return summed
-    if plan.pooled:
-        coefficients, scales = plan.factors[:, :1], plan.factors[:, 1:]
-        bound = prints[:, :1] + prints.abs()
-        addends = [
-            coefficients * prints,
-            coefficients * prints**2,
-            scales * bound,
-            scales * bound**2,
-        ]
-    else:
-        addends = [prints, prints**2]
-    return summed.index_add_(0, plan.slots, torch.cat(addends, dim=1))
+    addends = [prints, prints**2]
+    if plan.carried is not None:
+        addends.append(plan.carried)
+    mine = summed.narrow(0, offset, plan.slot_count)
+    mine.index_add_(0, plan.slots, torch.cat(addends, dim=1))
+    return summed
 
 
 def differ(summed: Tensor, limits: Tensor | None) -> Tensor:
@@ -273,12 +248,14 @@ def differ(summed: Tensor, limits: Tensor | None) -> Tensor:
 
     Args:
         summed: the reduced sums.
-        limits: each slot's copies and tolerance (:attr:`Plan.limits`); None for pooled slots.
+        limits: each slot's copies and tolerance (:attr:`Plan.limits`); None where the sums
+            carry them (under pipeline stages). A slot that no rank wrote then counts no copy,
+            and passes.
     """
     if limits is None:
-        first, second, first_bound, second_bound = summed.split(summed.shape[1] // 4, dim=1)
-        within = (first.abs() <= first_bound).all() & (second.abs() <= second_bound).all()
-        return ~within
+        summed, carried = summed.split([summed.shape[1] - 2, 2], dim=1)
+        copies = carried[:, :1].clamp_min(1.0)
+        limits = torch.cat([copies, carried[:, 1:] / copies], dim=1)
     return _grouped_differ(summed, limits)
 
 

@@ -11,8 +11,10 @@ moves gloo's chunking, and with it the bits of the others):
 - plain replicas (:func:`_replicas`, DDP): the reference copy's per-gradient norms beside the
   comparison, so every rank returns the same number, torch's bits where the copies are
   bit-identical;
-- pipeline stages (:func:`_stages`): one float64 number per segment, and what the stages decide
-  together, read on the host once per call.
+- pipeline stages (:func:`_stages`): one float64 number per segment, the comparison of every
+  stage's groups of copies (each stage in its region, ``_stage_slots``), and what the stages
+  decide together, read on the host once per call. A stage of plain replicas sends its
+  reference copy's norms, as without stages.
 
 Nothing is read on a GPU except under pipeline stages, and nothing is copied to it. Copies that
 differ make the total NaN on every rank, never a number; the verdict (``_norm_verdict``) raises.
@@ -27,12 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from credit.parallel import _copies
+from credit.parallel import _copies, _stage_slots
 from credit.parallel._groups import moves_data
 from credit.parallel._inputs import NormRequest
 from credit.parallel._local_norms import LocalNorms
 from credit.parallel._norm_plan import RESULT_DTYPES, Kind, Plan
 from credit.parallel._norm_results import Reduced, StageDecisions
+from credit.parallel._stage_slots import Regions
 
 
 def reduce(
@@ -91,8 +94,7 @@ def _replicas(plan: Plan, stacked: Tensor, request: NormRequest) -> Reduced:
     rank's copy makes that gradient's comparison sums, and so its entry, non-finite on every
     rank; copies that differ make the total NaN on every rank.
     """
-    copies = plan.proof.copies
-    assert copies is not None  # built by the layout's proof
+    copies = plan.copies
     # One group per gradient, the same ranks in each: the lowest rank holds every reference.
     first = copies.groups[copies.compared[0]]
     mine = stacked.to(torch.float64) * float(first is not None and first.is_reference)
@@ -116,27 +118,27 @@ def _replicas(plan: Plan, stacked: Tensor, request: NormRequest) -> Reduced:
 
 
 def _summed_and_compared(
-    values: Tensor, stacked: Tensor | None, plan: Plan
+    values: Tensor, stacked: Tensor | None, plan: Plan, regions: Regions | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``values`` summed over the world in float64 beside the comparison of the copies' local
-    norms ``stacked`` (``_copies``), in one all_reduce: the sums, the comparison's sums (shape
-    (slots, 4)), and whether the copies differed beyond their tolerance (a boolean scalar on the
-    device; False on the fake backend, which moves no data). Before the layout's proof, or
-    without local norms, the comparison is zeros (one slot per stage)."""
-    copies = plan.proof.copies
-    comparison = torch.zeros(plan.at.count, 4, dtype=torch.float64, device=plan.order.device)
-    if copies is not None and stacked is not None:
+    norms ``stacked`` (``_copies``), in one all_reduce: the sums, the comparison's sums, and
+    whether the copies differed beyond their tolerance (a boolean scalar on the device; False on
+    the fake backend, which moves no data). Under pipeline stages (``regions``, as every rank
+    agreed them) the comparison holds every stage's slots, this stage's in its region; zeros
+    where they do not fit it yet, or without local norms."""
+    copies, device = plan.copies, plan.order.device
+    rows, offset = _stage_slots.section(regions, plan.at.index, copies.slot_count)
+    comparison = torch.zeros(rows, _copies.width(copies, 1), dtype=torch.float64, device=device)
+    if stacked is not None and offset is not None and copies.compared:
         norms = stacked.to(torch.float64).index_select(0, copies.positions)
-        comparison = _copies.terms_of(copies, norms[:, None])
+        comparison = _copies.terms_of(copies, norms[:, None], rows, offset)
     vector = torch.cat([values.to(torch.float64), comparison.flatten()])
     dist.all_reduce(vector, op=dist.ReduceOp.SUM)
     sums, compared = vector.split([values.numel(), comparison.numel()])
     compared = compared.view_as(comparison)
     if not moves_data():
-        return sums, compared, torch.zeros((), dtype=torch.bool, device=compared.device)
-    # Across stages the slots are pooled (a rank may not have its proof yet).
-    limits = copies.limits if copies is not None and plan.at.count == 1 else None
-    return sums, compared, _copies.differ(compared, limits)
+        return sums, compared, torch.zeros((), dtype=torch.bool, device=device)
+    return sums, compared, _copies.differ(compared, copies.limits if regions is None else None)
 
 
 def _shards(
@@ -197,7 +199,7 @@ def _max_over_ranks(norms: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# pipeline stages: one float64 number per segment, and the stages' decisions
+# pipeline stages: one float64 number per segment, the copies' comparison, the stages' decisions
 
 
 def _stages(
@@ -205,33 +207,44 @@ def _stages(
 ) -> Reduced:
     """The norm across pipeline stages, in one all_reduce and one read of a few numbers.
 
-    Beside each segment's sum (MAX for inf), the all_reduce carries what the stages must decide
-    together, and the reduced numbers are read on the host once. A rank cannot know them
-    otherwise: the other stages' gradients may change layout or dtype on any call, seen only
-    by their own ranks. The result's dtype (host metadata, the promotion of the stages' votes)
-    must be the same on every rank; a stage meeting a layout for the first time makes every rank
-    prove it together (``_norm_proof.settle_stages``); the listeners answer only if no rank left a
-    question unanswered, which decides whether a scaler issues a collective of its own later.
+    Beside each segment's sum (MAX for inf) and the comparison of copies, the all_reduce carries
+    what the stages must decide together, and the reduced numbers are read on the host once. A
+    rank cannot know them otherwise: the other stages' gradients may change layout or dtype on any
+    call, seen only by their own ranks. The result's dtype (host metadata, the promotion of the
+    stages' votes) must be the same on every rank; a stage meeting a layout for the first time, or
+    one whose groups of copies do not fit its region yet, makes every rank prove it together
+    (``_norm_proof.settle_stages``), each stage's region grown to the slots it counts; the
+    listeners answer only if no rank left a question unanswered, which decides whether a scaler
+    issues a collective of its own later.
     """
+    assert request.pp_group is not None
+    at = plan.at
+    regions = _stage_slots.agreed(request.pp_group, at.count)
+    fits = regions.fits(at.index, plan.copies.slot_count)
     # Host numbers enter the vector through fill kernels, never a copy from host memory: whether
-    # this rank meets its layout for the first time (or checks it), and how many of the
-    # listeners' questions its gradients leave unanswered (zero without listeners).
+    # this rank's stage asks for the proof (a new layout, the check mode, or slots that do not
+    # fit), and how many of the listeners' questions its gradients leave unanswered (zero
+    # without listeners).
     asked = [
         torch.full((1,), float(value), dtype=torch.float64, device=plan.order.device)
-        for value in (not plan.proof.verified or request.check, unanswered)
+        for value in (not plan.proof.verified or request.check or not fits, unanswered)
     ]
     if request.order == math.inf:
         entries, total, present, tail = _max_of_stages(plan, norms, segment_count, asked)
         differ = torch.zeros((), dtype=torch.bool, device=plan.order.device)
     else:
         entries, total, present, tail, differ = _sum_of_stages(
-            plan, norms, request.order, segment_count, asked
+            plan, norms, request.order, segment_count, asked, regions
         )
     # The call's one read: the stages' decisions, and the norms (which a report reads).
     read = torch.cat([tail, differ.to(tail).reshape(1), entries, total.reshape(1), present])
     numbers = read.tolist()
     decided, host = numbers[: len(tail) + 1], numbers[len(tail) + 1 :]
-    votes, checks = decided[: len(RESULT_DTYPES)], decided[len(RESULT_DTYPES) : -3]
+    voting = len(RESULT_DTYPES)
+    votes, counts = decided[:voting], decided[voting : voting + at.count]
+    checks = decided[voting + at.count : -3]
+    if not moves_data():  # the vector came back as this rank sent it: its stage's count only
+        counts = [float(plan.copies.slot_count * (stage == at.index)) for stage in range(at.count)]
     unverified_anywhere, unanswered_anywhere, differ_anywhere = decided[-3:]
     voted = [dtype for dtype, vote in zip(RESULT_DTYPES, votes, strict=True) if vote]
     result_dtype = request.dtype or functools.reduce(
@@ -251,6 +264,7 @@ def _stages(
             layout_failed=any(checks) and moves_data(),
             unverified_anywhere=unverified_anywhere > 0,
             copies_differ=differ_anywhere > 0,
+            regions=regions.grown(counts),
         ),
     )
 
@@ -263,7 +277,8 @@ def _max_of_stages(
     values, present = _segment_terms(norms, math.inf, segment_count, plan)
     nan = torch.isnan(values)
     clean = torch.where(nan, 0.0, values)
-    vector = torch.cat([clean, nan.to(values), present, plan.votes, plan.checks[1:], *asked])
+    decided = [plan.votes, plan.slot_counts, plan.checks[1:], *asked]
+    vector = torch.cat([clean, nan.to(values), present, *decided])
     dist.all_reduce(vector, op=dist.ReduceOp.MAX)
     values, nan, present, tail = vector.split(
         [segment_count] * 3 + [len(vector) - 3 * segment_count]
@@ -273,14 +288,20 @@ def _max_of_stages(
 
 
 def _sum_of_stages(
-    plan: Plan, norms: LocalNorms, order: float, segment_count: int, asked: list[Tensor]
+    plan: Plan,
+    norms: LocalNorms,
+    order: float,
+    segment_count: int,
+    asked: list[Tensor],
+    regions: Regions,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The p-norm's all_reduce (SUM), with the comparison of copies (zeros until the stage's
-    layout is proven). The self-check's terms sum to zero over the world when every stage holds
-    whole copies."""
+    """The p-norm's all_reduce (SUM), with the comparison of every stage's copies (``regions``).
+    The self-check's terms sum to zero over the world when every stage holds whole copies."""
     values, present = _segment_terms(norms, order, segment_count, plan)
-    prefix = torch.cat([values, present, plan.votes, plan.checks, *asked])
-    sums, _, copies_differ = _summed_and_compared(prefix, norms.stacked, plan)
+    decided = [plan.votes, plan.slot_counts, plan.checks, *asked]
+    sums, _, copies_differ = _summed_and_compared(
+        torch.cat([values, present, *decided]), norms.stacked, plan, regions
+    )
     values, present, tail = sums.split([segment_count] * 2 + [len(sums) - 2 * segment_count])
     total = values.sum() ** (1.0 / order)
     return values ** (1.0 / order), total, present, tail, copies_differ & torch.isfinite(total)
@@ -299,7 +320,11 @@ def _segment_terms(
     present.index_fill_(0, segments, 1.0)
     if order == math.inf:
         values.scatter_reduce_(0, segments, stacked, reduce="amax")
-    else:
-        powered = stacked**order
-        values.index_add_(0, segments, powered if plan.weights is None else powered * plan.weights)
+        return values, present
+    powered = stacked**order
+    if plan.weights is not None:
+        # A copy weighted 0 (a plain replica other than its stage's reference) still brings its
+        # inf or NaN to the sum, as every copy does without stages.
+        powered = torch.where(torch.isfinite(powered), powered * plan.weights, powered)
+    values.index_add_(0, segments, powered)
     return values, present

@@ -30,9 +30,8 @@ def raise_copies_differ(
 ) -> None:
     """Describe the copies that differ and raise the same ValueError on every rank; every rank
     must call it together (it gathers each rank's fingerprints)."""
-    assert plan.proof.copies is not None
     _raise_mismatch(
-        _records(plan.proof.copies, plan.held, local, plan.at.index, label),
+        _records(plan.copies, plan.held, local, plan.at.index, label),
         plan.at.index,
         len(plan.held),
         what,

@@ -10,12 +10,15 @@ and kept:
 - :class:`Plan`, for a norm over ranks: what this rank holds of each gradient and how many copies
   of each shard the world holds (``_ownership``), as weights in stacking order on the device in
   every dtype a call multiplies them in; the kind of layout; the gradients' dtype; the Partial
-  gradients completed together (``_partial``); the constants a pipeline norm's vector carries;
-  and the layout's :class:`Proof`, which the proof step (``_norm_proof``) alone writes.
+  gradients completed together (``_partial``); how the copies are compared (``_copies.Plan``);
+  the constants a pipeline norm's vector carries; and the layout's :class:`Proof`, which the
+  proof step (``_norm_proof``) alone writes.
 
 Host syncs of a layout's first call, and only of it: one blocking host-to-device copy of the plan's
-constants. An index tensor costs one copy the first time a caller asks for it (a report's
-segments, a scaler's set of gradients).
+constants, and one of the comparison's where a shard has copies. Under pipeline stages the first
+call with a pipeline group also learns the lowest rank of its stage, in one all_reduce that every
+rank joins (``_ownership.stage_ranks``). An index tensor costs one copy the first time a caller
+asks for it (a report's segments, a scaler's set of gradients).
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ import enum
 import functools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from credit.parallel import _copies, _ownership, _partial
@@ -34,7 +37,7 @@ from credit.parallel._groups import collective_device
 from credit.parallel._inputs import NormRequest
 from credit.parallel._layout_check import verify_same_layout
 from credit.parallel._norm_order import Order, order_on
-from credit.parallel._ownership import Holding, Stages
+from credit.parallel._ownership import CopyGroup, Holding, Stages
 from credit.parallel._scoped import ScopedCache
 
 # Layouts whose plans are kept (a training loop uses a few: the clip's, the report's, a norm over
@@ -62,11 +65,9 @@ class Proof:
     """What the layout's proof found on this rank; written by ``_norm_proof`` alone.
 
     Attributes:
-        copies: how this rank's shards enter the comparison of copies, from the first proof on.
         verified: the layout passed its proof.
     """
 
-    copies: _copies.Plan | None = None
     verified: bool = False
 
 
@@ -79,6 +80,7 @@ class Plan:
         held: what this rank holds of each gradient (keeps the Holding objects alive, so the ids
             in the cache key stay theirs).
         at: the pipeline stages.
+        lowest: the lowest rank of this rank's stage (0 within a single stage).
         distinct: per gradient, the ranks along which its copies differ, or None.
         kind: how the layout is reduced.
         grads_dtype: the promotion of the gradients' dtypes, as torch's stacked norm has it.
@@ -86,12 +88,18 @@ class Plan:
         coverage: this rank's terms of the self-check, per gradient (``_ownership.coverage``).
         partial: the Partial gradients completed together (``_partial.batches``).
         weights: ``1 / copies`` per stacked norm, float64 on the device; None when every weight
-            is 1.
+            is 1. Under pipeline stages, a stage of plain replicas weights its lowest rank's
+            copy 1 and the others 0: the reference copy's norm, as without stages.
         weights_in: :attr:`weights` in float32 and float64 (the dtypes a call multiplies in).
         votes: under pipeline stages, this stage's vote for the result dtype: one-hot over
             :data:`RESULT_DTYPES`, zeros without gradients or with an error.
         checks: under pipeline stages, the self-check's sum over this rank's gradients and the
             error flag, carried by every norm's all_reduce.
+        slot_counts: under pipeline stages, one number per stage: this stage's count of slots of
+            copies on its reference rank (``Stages.is_reference``), zeros elsewhere; carried by
+            every norm's all_reduce, so that every rank learns every stage's count
+            (``_stage_slots``).
+        copies: how this rank's shards enter the comparison of copies (``_copies``).
         verification: the self-check's terms (per gradient within a stage, per stage across
             stages) and the error flag, sent by the proof.
         proof: what the layout's proof found (see :class:`Proof`).
@@ -100,6 +108,7 @@ class Plan:
     order: Order
     held: list[Holding]
     at: Stages
+    lowest: int
     distinct: list[frozenset[int] | None]
     kind: Kind
     grads_dtype: torch.dtype
@@ -110,7 +119,9 @@ class Plan:
     weights_in: dict[torch.dtype, Tensor]
     votes: Tensor
     checks: Tensor
+    slot_counts: Tensor
     verification: Tensor
+    copies: _copies.Plan
     proof: Proof = field(default_factory=Proof)
 
 
@@ -128,6 +139,9 @@ def planned(request: NormRequest) -> Plan:
     at = _ownership.stages_of(request.pp_group)
     held = _ownership.holdings(request.grads)
     device = collective_device(request.local)
+    # Under pipeline stages, one all_reduce the first time per pipeline group: every rank asks
+    # on every call, so that all ask together.
+    lowest = _ownership.lowest_rank_of_stage(at, request.pp_group, device)
     if request.check:
         verify_same_layout(
             [h.description for h in held],
@@ -138,7 +152,7 @@ def planned(request: NormRequest) -> Plan:
             f"per_rank={request.per_rank}",
             stage=(at.index, at.count),
         )
-    plan = _plan_of(held, request.local, at, request.distinct, device)
+    plan = _plan_of(held, request.local, at, lowest, request.distinct, device)
     if plan.kind is not Kind.REPLICAS and not request.order > 0:
         raise ValueError(
             f"norm_type must be positive or inf for distributed grads, got {request.order}"
@@ -150,6 +164,7 @@ def _plan_of(
     held: list[Holding],
     local: list[Tensor],
     at: Stages,
+    lowest: int,
     distinct: list[frozenset[int] | None] | None,
     device: torch.device,
 ) -> Plan:
@@ -159,13 +174,14 @@ def _plan_of(
         held: what this rank holds of each gradient.
         local: each gradient's local tensor.
         at: the pipeline stages.
+        lowest: the lowest rank of this rank's stage.
         distinct: per gradient, the ranks along which its copies differ, or None for none.
         device: where the plan's tensors live (``_groups.collective_device``).
     """
-    key = (tuple(map(id, held)), at, tuple(distinct) if distinct is not None else None)
+    key = (tuple(map(id, held)), at, lowest, tuple(distinct) if distinct is not None else None)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan(held, local, at, distinct, device)
+        plan = _plan(held, local, at, lowest, distinct, device)
         _plans.put(key, plan)
     return plan
 
@@ -174,29 +190,40 @@ def _plan(
     held: list[Holding],
     local: list[Tensor],
     at: Stages,
+    lowest: int,
     declared: list[frozenset[int] | None] | None,
     device: torch.device,
 ) -> Plan:
     distinct: list[frozenset[int] | None] = declared if declared is not None else [None] * len(held)
-    kind = _kind(held, at, declared)
     grads_dtype = _promoted({h.dtype for h in held})
-    constants = _constants(held, local, at, distinct, grads_dtype, device)
-    weights = constants.weights
+    order = order_on(local, device)
+    counts = _ownership.counts(held, at, distinct, order.stacked)
+    error = counts.error or _partial.unsupported(held)
+    stacked_weights = counts.weights
+    if at.count > 1 and _plain_replicas(held, declared):  # the reference copy's norm
+        stacked_weights = [float(dist.get_rank() == lowest)] * len(stacked_weights)
+    slots = _copy_slots(held, at, distinct, order)
+    rows = _stage_rows(at, counts.coverage, error, slots, grads_dtype)
+    weights, votes, checks, slot_counts, verification = _on_device([stacked_weights, *rows], device)
+    unweighted = all(w == 1.0 for w in stacked_weights)
     return Plan(
-        order=constants.order,
+        order=order,
         held=held,
         at=at,
+        lowest=lowest,
         distinct=distinct,
-        kind=kind,
+        kind=_kind(held, at, declared),
         grads_dtype=grads_dtype,
-        error=constants.error,
-        coverage=constants.coverage,
+        error=error,
+        coverage=counts.coverage,
         partial=_partial.batches(held),
-        weights=weights,
-        weights_in={} if weights is None else {d: weights.to(d) for d in _WEIGHT_DTYPES},
-        votes=constants.votes,
-        checks=constants.checks,
-        verification=constants.verification,
+        weights=None if unweighted else weights,
+        weights_in={} if unweighted else {d: weights.to(d) for d in _WEIGHT_DTYPES},
+        votes=votes,
+        checks=checks,
+        slot_counts=slot_counts,
+        verification=verification,
+        copies=_comparison(held, at, lowest, distinct, error, order, slots, device),
     )
 
 
@@ -207,51 +234,81 @@ def _promoted(dtypes: set[torch.dtype]) -> torch.dtype:
     return functools.reduce(torch.promote_types, dtypes).to_real()
 
 
-class _Constants(NamedTuple):
-    order: Order
-    error: str | None
-    coverage: list[int]
-    weights: Tensor | None
-    votes: Tensor
-    checks: Tensor
-    verification: Tensor
+def _copy_slots(
+    held: list[Holding], at: Stages, distinct: list[frozenset[int] | None], order: Order
+) -> _copies.Slots:
+    """A slot per group of copies of this rank's stage, with its copies and tolerance: the same
+    on every rank of the stage, even where the layout cannot be reduced (the proof's vector has
+    the same length on every rank)."""
+    slot_of, per_slot = _ownership.copy_slots(held, at, distinct, order.stacked)
+    limits = [(float(copies), _copies.tolerance(dtype)) for copies, dtype in per_slot]
+    return _copies.Slots(slot_of, limits)
 
 
-def _constants(
+def _comparison(
     held: list[Holding],
-    local: list[Tensor],
     at: Stages,
+    lowest: int,
     distinct: list[frozenset[int] | None],
-    grads_dtype: torch.dtype,
+    error: str | None,
+    order: Order,
+    slots: _copies.Slots,
     device: torch.device,
-) -> _Constants:
-    """What the rank maps and dtypes give the plan: the order, the first error, the self-check's
-    terms, and the weights, votes, checks and verification terms on ``device`` in one
-    host-to-device copy (the weights None where every one is 1)."""
-    order = order_on(local, device)
-    counts = _ownership.counts(held, at, distinct, order.stacked)
-    error = counts.error or _partial.unsupported(held)
-    coverage, stacked_weights = counts.coverage, counts.weights
-    votes: list[float] = []
-    checks, slots = [], [float(c) for c in coverage]
-    if at.count > 1:
-        votes = [0.0] * len(RESULT_DTYPES)
-        if coverage and error is None:
-            votes[RESULT_DTYPES.index(grads_dtype)] = 1.0
-        checks = [float(sum(coverage)), float(error is not None)]
-        slots = [float(sum(coverage)) if stage == at.index else 0.0 for stage in range(at.count)]
-    rows = [stacked_weights, votes, checks, [*slots, float(error is not None)]]
+) -> _copies.Plan:
+    """How the layout's copies are compared (``_copies``); nothing is compared where the layout
+    cannot be reduced (its ranks send zeros beside their flag)."""
+    groups: list[CopyGroup | None] = [None] * len(held)
+    if error is None:
+        groups = [
+            _ownership.copy_group(h, at, lowest, d) for h, d in zip(held, distinct, strict=True)
+        ]
+    position_of = [0] * len(held)
+    for position, index in enumerate(order.stacked):
+        position_of[index] = position
+    return _copies.plan(groups, slots, position_of, device, carry_limits=at.count > 1)
+
+
+def _on_device(rows: list[list[float]], device: torch.device) -> list[Tensor]:
+    """``rows`` as float64 tensors on ``device``, in one host-to-device copy."""
     packed = torch.tensor(
         [value for row in rows for value in row], dtype=torch.float64, device=device
     )
-    weights, *on_device = packed.split([len(row) for row in rows])
-    unweighted = all(w == 1.0 for w in stacked_weights)
-    return _Constants(order, error, coverage, None if unweighted else weights, *on_device)
+    return list(packed.split([len(row) for row in rows]))
+
+
+def _stage_rows(
+    at: Stages,
+    coverage: list[int],
+    error: str | None,
+    slots: _copies.Slots,
+    grads_dtype: torch.dtype,
+) -> list[list[float]]:
+    """The votes, checks and slot counts a pipeline norm's vector carries (empty within a
+    stage), and the verification's terms (per gradient within a stage, per stage across
+    stages) with the error flag."""
+    if at.count == 1:
+        return [[], [], [], [*map(float, coverage), float(error is not None)]]
+    votes = [0.0] * len(RESULT_DTYPES)
+    if coverage and error is None:
+        votes[RESULT_DTYPES.index(grads_dtype)] = 1.0
+    mine = [stage == at.index for stage in range(at.count)]
+    return [
+        votes,
+        [float(sum(coverage)), float(error is not None)],
+        [float(slots.count) if is_mine and at.is_reference else 0.0 for is_mine in mine],
+        [float(sum(coverage)) if is_mine else 0.0 for is_mine in mine] + [float(error is not None)],
+    ]
+
+
+def _plain_replicas(held: list[Holding], declared: list[frozenset[int] | None] | None) -> bool:
+    """Whether every gradient is a plain tensor that no ``distinct_along`` declares rank-local:
+    replicas, whose reference copy gives the norm (DDP)."""
+    return declared is None and all(h.mesh is None for h in held)
 
 
 def _kind(held: list[Holding], at: Stages, declared: list[frozenset[int] | None] | None) -> Kind:
     if at.count > 1:
         return Kind.STAGES
-    if declared is None and all(h.mesh is None for h in held):
+    if _plain_replicas(held, declared):
         return Kind.REPLICAS
     return Kind.SHARDS

@@ -3,17 +3,18 @@
 Two things are proven, in one float64 all_reduce: the self-check (every rank of a stage holds a
 shard of every gradient on its own copy of the mesh: the terms of ``_ownership.coverage`` sum to
 zero), and that the ranks taken for copies of a shard hold the same values (``_copies``, with full
-fingerprints). Sums run per gradient within a stage, per stage across stages. A NaN or inf leaves
-the copies unproven until a later call: the norm is not finite then anyway.
+fingerprints, a slot per group of copies). The self-check's sums run per gradient within a stage,
+per stage across stages. A NaN or inf leaves the copies unproven until a later call: the norm is
+not finite then anyway.
 
 Within a stage every rank meets a layout on the same call, so the proof runs before the norm's
 collective. Under pipeline stages a rank cannot know when another stage meets a new layout: every
-norm's all_reduce carries the question, and the proof runs after it, on every rank, when any
-stage asks (:func:`settle_stages`).
+norm's all_reduce carries the question (and each stage's count of slots, ``_stage_slots``), and
+the proof runs after it, on every rank, when any stage asks (:func:`settle_stages`), each stage's
+groups in its region of the regions that call agreed.
 
-This module alone writes the layout's :class:`~credit.parallel._norm_plan.Proof`. Its host syncs:
-one copy of the copies' constants where a shard has copies, once per layout; one read of the
-verdict per proof.
+This module alone writes the layout's :class:`~credit.parallel._norm_plan.Proof` and keeps the
+stages' regions. Its host syncs: one read of the verdict per proof.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from credit.parallel import _copies, _norm_failures, _ownership
+from credit.parallel import _copies, _norm_failures, _stage_slots
 from credit.parallel._groups import moves_data
 from credit.parallel._inputs import NormRequest
 from credit.parallel._norm_plan import Plan
 from credit.parallel._norm_results import StageDecisions
+from credit.parallel._stage_slots import Regions
 
 
 def prove_if_due(plan: Plan, request: NormRequest) -> None:
@@ -37,38 +39,48 @@ def prove_if_due(plan: Plan, request: NormRequest) -> None:
 
 def settle_stages(plan: Plan | None, request: NormRequest, decided: StageDecisions | None) -> None:
     """Under pipeline stages, act on what the stages decided in the norm's all_reduce
-    (``Reduced.stages``): a layout that failed raises on every rank; a stage that met a new
-    layout has every rank prove it."""
+    (``Reduced.stages``): keep the regions every rank read; a layout that failed raises on every
+    rank; a stage that met a new layout has every rank prove it."""
     if decided is None or plan is None:
         return
+    assert request.pp_group is not None
+    _stage_slots.keep(request.pp_group, decided.regions)
     if decided.layout_failed:
         _norm_failures.raise_layout_failure(plan, request.what)
     if decided.unverified_anywhere:
-        prove(plan, request)
+        prove(plan, request, decided.regions)
 
 
-def prove(plan: Plan, request: NormRequest) -> None:
+def prove(plan: Plan, request: NormRequest, regions: Regions | None = None) -> None:
     """Prove the layout in one float64 all_reduce, raising on every rank when it fails. Every
     rank must call it together. The verdict is read on the host once.
+
+    Args:
+        plan: the layout's plan.
+        request: the call's arguments.
+        regions: under pipeline stages, every stage's slots of copies, as every rank agreed them.
 
     Raises:
         ValueError: the layout cannot be reduced, or copies differ (on every rank).
         RuntimeError: the ranks' shards do not add up to whole gradients (on every rank).
     """
-    copies = _comparison_of(plan, request)
-    sums, nonfinite = _copies.terms(copies, request.local, plan.order.device)
+    copies, device = plan.copies, plan.order.device
+    rows, offset = _stage_slots.section(regions, plan.at.index, copies.slot_count)
+    sums, nonfinite = _copies.terms(copies, request.local, device, rows, offset)
+    # A stage whose ranks count other slots than its reference rank passed other layouts.
+    misfit = torch.full((1,), float(offset is None), dtype=torch.float64, device=device)
     slot_count = plan.verification.numel() - 1
-    vector = torch.cat([plan.verification, nonfinite.reshape(1), sums.flatten()])
+    vector = torch.cat([plan.verification, nonfinite.reshape(1), misfit, sums.flatten()])
     dist.all_reduce(vector, op=dist.ReduceOp.SUM)
     if not moves_data():
         plan.proof.verified = True
         return
-    coverage, flags, summed = vector.split([slot_count, 2, sums.numel()])
+    coverage, flags, summed = vector.split([slot_count, 3, sums.numel()])
     verdict = torch.stack(
         [
-            coverage.abs().ge(0.5).any() | (flags[0] > 0),  # integers, exact in float64
+            coverage.abs().ge(0.5).any() | (flags[0] > 0) | (flags[2] > 0),  # exact integers
             flags[1] > 0,
-            _copies.differ(summed.view_as(sums), None if copies.pooled else copies.limits),
+            _copies.differ(summed.view_as(sums), copies.limits if regions is None else None),
         ]
     )
     broken, nonfinite_anywhere, differ = verdict.tolist()  # the proof's one read
@@ -79,33 +91,3 @@ def prove(plan: Plan, request: NormRequest) -> None:
     if differ:
         _norm_failures.raise_copies_differ(plan, request.local, request.what, request.label)
     plan.proof.verified = True
-
-
-def _comparison_of(plan: Plan, request: NormRequest) -> _copies.Plan:
-    """The layout's comparison of copies, built on its first proof and kept; a broken layout
-    sends zeros of the same size beside its flag.
-
-    Within a stage, a slot per group of copies; across pipeline stages, whose layouts the other
-    stages cannot see, a slot per stage.
-    """
-    at = plan.at
-    compare = plan.proof.copies is None and plan.error is None
-    # Every rank asks for the stage's lowest rank on every proof, whether or not it has its
-    # comparison yet: the first time per pipeline group, this is a collective.
-    groups = _ownership.copy_groups(
-        plan.held, at, request.pp_group, plan.order.device, plan.distinct, compare=compare
-    )
-    if plan.proof.copies is not None:
-        return plan.proof.copies
-    slots = _copies.Slots([at.index] * len(groups), at.count)
-    if at.count == 1:
-        slot_of, per_slot = _ownership.copy_slots(plan.held, at, plan.distinct, plan.order.stacked)
-        limits = [(float(copies), _copies.tolerance(dtype)) for copies, dtype in per_slot]
-        slots = _copies.Slots(slot_of, len(limits), limits)
-    position_of = [0] * len(plan.held)
-    for position, index in enumerate(plan.order.stacked):
-        position_of[index] = position
-    copies = _copies.plan(plan.held, groups, slots, position_of, plan.order.device)
-    if compare:
-        plan.proof.copies = copies
-    return copies

@@ -9,6 +9,7 @@ from torch import Tensor
 from credit.parallel._norm_hooks import Normed
 from credit.parallel._norm_order import Order
 from credit.parallel._norm_plan import Plan
+from credit.parallel._stage_slots import Regions
 
 
 @dataclass(frozen=True)
@@ -20,11 +21,13 @@ class StageDecisions:
             to whole gradients.
         unverified_anywhere: some stage met its layout for the first time (or checks it).
         copies_differ: copies differed on some stage while the norm is finite.
+        regions: every stage's slots of copies, grown by this call's counts (``_stage_slots``).
     """
 
     layout_failed: bool
     unverified_anywhere: bool
     copies_differ: bool
+    regions: Regions
 
 
 @dataclass(frozen=True)

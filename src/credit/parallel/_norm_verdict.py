@@ -45,9 +45,7 @@ def raise_if_nonfinite(reduced: Reduced, request: NormRequest) -> None:
     differed (their total is NaN) raise their own error (see :func:`raise_if_copies_differ`).
     Both answers come from one read. Every rank must call it together.
     """
-    finite = torch.isfinite(reduced.total)
-    differ = reduced.differ if reduced.differ is not None else torch.zeros_like(finite)
-    is_finite, copies_differ = torch.stack([finite, differ]).tolist()  # the call's one read
+    is_finite, copies_differ = _finite_and_differ(reduced)
     if is_finite:
         return
     if copies_differ:
@@ -57,6 +55,19 @@ def raise_if_nonfinite(reduced: Reduced, request: NormRequest) -> None:
         "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
         "by the non-finite norm anyway, set `error_if_nonfinite=False`"
     )
+
+
+def _finite_and_differ(reduced: Reduced) -> tuple[bool, bool]:
+    """Whether the total is finite, and whether copies differed, from the call's one read: under
+    pipeline stages the stages' read, which brought the total back (their copies' verdict was
+    acted on already, in :func:`settle`); elsewhere one read of the device."""
+    if reduced.host is not None:
+        total = torch.tensor(reduced.host[len(reduced.entries)], dtype=torch.float64, device="cpu")
+        return bool(total.to(reduced.total.dtype).isfinite()), False  # the result's rounding
+    finite = torch.isfinite(reduced.total)
+    differ = reduced.differ if reduced.differ is not None else torch.zeros_like(finite)
+    is_finite, copies_differ = torch.stack([finite, differ]).tolist()  # the call's one read
+    return is_finite, copies_differ
 
 
 def _raise_copies_differ(reduced: Reduced, request: NormRequest) -> None:

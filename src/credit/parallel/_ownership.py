@@ -94,7 +94,9 @@ def stage_ranks(at: Stages, pp_group: ProcessGroup | None, device: torch.device)
         stage_of[dist.get_rank()].fill_(at.index + 1)  # 0: a rank not heard from
         dist.all_reduce(stage_of, op=dist.ReduceOp.SUM)
         mine = at.index + 1
+        # This rank is of its stage whatever the backend moved (the fake backend moves nothing).
         ranks = frozenset(r for r, s in enumerate(stage_of.tolist()) if s == mine)
+        ranks |= {dist.get_rank()}
         _stage_by_pp_group.put(pp_group, ranks)
     return ranks
 
@@ -102,6 +104,8 @@ def stage_ranks(at: Stages, pp_group: ProcessGroup | None, device: torch.device)
 def lowest_rank_of_stage(at: Stages, pp_group: ProcessGroup | None, device: torch.device) -> int:
     """0 within a single stage; under pipeline stages the lowest of :func:`stage_ranks`, learned
     in its all_reduce, once per pp_group."""
+    if pp_group is None:
+        return 0
     return min(stage_ranks(at, pp_group, device))
 
 
@@ -417,28 +421,10 @@ def copy_group(
     )
 
 
-def copy_groups(
-    held: list[Holding],
-    at: Stages,
-    pp_group: ProcessGroup | None,
-    device: torch.device,
-    distinct: list[frozenset[int] | None],
-    *,
-    compare: bool,
-) -> list[CopyGroup | None]:
-    """Each gradient's :func:`copy_group`; all None without ``compare``. The stage's lowest rank
-    is asked for either way (:func:`lowest_rank_of_stage`: under pipeline stages, a collective
-    the first time per ``pp_group``), so that every rank of the world asks together."""
-    lowest = lowest_rank_of_stage(at, pp_group, device)
-    if not compare:
-        return [None] * len(held)
-    return [copy_group(h, at, lowest, d) for h, d in zip(held, distinct, strict=True)]
-
-
 def copy_slots(
     held: list[Holding], at: Stages, distinct: list[frozenset[int] | None], order: list[int]
 ) -> tuple[list[int], list[tuple[int, torch.dtype]]]:
-    """Within a single stage, a slot per group of copies, gradients in the order ``order``
+    """A slot per group of copies of this rank's stage, gradients in the order ``order``
     (input indices): the slot of each gradient (0 where it has no copies), and each slot's
     number of copies and dtype. The same on every rank of the stage that passed the layout
     (:func:`copy_slot`)."""
