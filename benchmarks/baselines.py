@@ -118,6 +118,18 @@ def torch_clip(params: Sequence[Tensor], max_norm: float) -> Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+def pipeline_clip(params: Sequence[Tensor], max_norm: float, pp_group: ProcessGroup) -> Tensor:
+    """torchtitan's clip under pipeline parallelism: torch's norm of this stage's gradients, its
+    square summed over the pipeline group, and torch's scaling by the total. The copies inside a
+    stage are taken as they are, unproven."""
+    grads = [param.grad for param in params if param.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads) ** 2
+    dist.all_reduce(total, group=pp_group)
+    total = total.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
 def torch_norm(grads: Sequence[Tensor]) -> Tensor:
     """``torch.nn.utils.get_total_norm``, made a plain tensor with ``full_tensor()``."""
     norm = torch.nn.utils.get_total_norm(grads)

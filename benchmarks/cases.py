@@ -145,6 +145,16 @@ KERNELS = Way(
     "the kernels alone (floor)",
     lambda w: baselines.clip_kernels(w.grads, w.max_norm),
 )
+OURS_PIPELINE_CLIP = Way(
+    "ours_pipeline_clip",
+    "ours (clip_grad_norm_ with pp_group)",
+    lambda w: functools.partial(clip_grad_norm_, w.params, w.max_norm, pp_group=w.group),
+)
+PIPELINE_CLIP = Way(
+    "pipeline_clip",
+    "torch's clip per stage, squares summed over pp (torchtitan's)",
+    lambda w: functools.partial(baselines.pipeline_clip, w.params, w.max_norm, w.group),
+)
 OURS_NORM = Way(
     "ours_norm", "ours (total_grad_norm)", lambda w: functools.partial(total_grad_norm, w.grads)
 )
@@ -292,6 +302,15 @@ CASES: tuple[Case, ...] = (
             Count(NORM_PER_GROUP, None),
             Count(OURS_NORM_CHECKED, 4),
         ),
+        even_world=True,
+    ),
+    Case(
+        "pipeline",
+        "clip across pipeline stages",
+        workloads.pipeline,
+        (OURS_PIPELINE_CLIP, PIPELINE_CLIP),
+        ratios=(Ratio(OURS_PIPELINE_CLIP, PIPELINE_CLIP),),
+        counts=(Count(OURS_PIPELINE_CLIP, 1), Count(PIPELINE_CLIP, 1)),
         even_world=True,
     ),
     *(

@@ -244,6 +244,30 @@ def ddp(ctx: Context) -> Workload:
     )
 
 
+def pipeline(ctx: Context) -> Workload:
+    """Two pipeline stages, each its own model replicated over its ranks (DDP inside a stage):
+    ours compares every group of copies in the norm's one all_reduce; torchtitan's clip takes the
+    copies as they are."""
+    dp = ctx.world // 2
+    stage, place = divmod(dist.get_rank(), dp)
+    pp_groups = [dist.new_group([place_, place_ + dp]) for place_ in range(dp)]
+    params = _with_grads(layouts.build("plain", 8 + stage, **MODEL, device=ctx.device.type).model)
+    grads, pp_group = _grads(params), pp_groups[place]
+    return Workload(
+        f"clip across pipeline stages: pp=2 x dp={dp}, {len(params)} plain grads a stage, "
+        "replicated over the stage's ranks",
+        grads,
+        params,
+        group=pp_group,
+        max_norm=0.5 * float(total_grad_norm(grads, pp_group=pp_group)),
+        notes=[
+            "ours adds to the norm's all_reduce four float64 numbers per group of copies of every "
+            f"stage ({2 * len(params) if dp > 1 else 0} groups here), proving every copy within "
+            "its bound on every call; torchtitan's all-reduces one number over the pipeline group",
+        ],
+    )
+
+
 def mixed(ctx: Context) -> Workload:
     """FSDP2 + TP: grads on a 1D and a 2D mesh, where torch's clip raises."""
     params, grads, max_norm = _to_clip(ctx, "fsdp_tp", 6)

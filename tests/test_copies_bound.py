@@ -28,33 +28,21 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import error_of, local_bytes, mesh, same_bits_everywhere
-from torch import Tensor, nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
+from copies_bound import (
+    DTYPES,
+    STEPS,
+    bf16_ddp_steps,
+    bf16_fsdp_tp_sp_steps,
+    refused_everywhere,
 )
+from layouts import error_of, local_bytes, mesh, same_bits_everywhere
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from credit.parallel._compat import local_tensor
 from credit.parallel._copies import fingerprints, tolerance
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
-from credit.parallel.grad_sync import sync_replicated_gradients
 from credit.parallel.norm_report import grad_norm_report
-
-COPIES_DIFFER = "holds different values on ranks that the rank maps take for copies"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _refused_everywhere(results: list) -> None:
-    assert all(r is not None and r[0] == "ValueError" for r in results), results
-    assert len({r[1] for r in results}) == 1, "every rank raises the same message"
-    assert COPIES_DIFFER in results[0][1], results[0][1]
-
 
 # ---------------------------------------------------------------------------------------------
 # 1. The bound: 2, 3 and 4 copies, the reference and another copy, three dtypes, two calls
@@ -91,7 +79,7 @@ def test_one_copy_beyond_the_bound_raises_and_within_it_every_rank_agrees(
     for deviant in (0, copies - 1):  # the reference copy, and another
         for later in (False, True):
             caught = ranks.run(copies, _scaled_copy, dtype_name, deviant, 2.0, later, case)
-            _refused_everywhere([r[0] for r in caught])
+            refused_everywhere([r[0] for r in caught])
             # A first call compares projections too, which a scaled copy moves by the scale
             # times each projection (up to a few times the norm): there, within is 1 + tau / 8.
             within_factor = 0.5 if later else 0.125
@@ -168,7 +156,7 @@ def _second_model_per_rank(dtype: torch.dtype) -> list:
     ids=["replicate_dtensor_x1.5", "fsdp_dp_x_tp_6tau", "ddp_no_sync", "second_model"],
 )
 def test_copies_that_users_get_wrong_raise_on_every_rank(ranks, body, dtype_name):
-    _refused_everywhere([r[0] for r in ranks.run(4, body, DTYPES[dtype_name])])
+    refused_everywhere([r[0] for r in ranks.run(4, body, DTYPES[dtype_name])])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,80 +205,7 @@ def test_the_report_on_plain_replicas_is_the_same_on_every_rank(ranks, poison):
 # 4. No false alarm over many steps of real bf16 training, and the margin measured
 
 
-STEPS = 12
-
-
-def _relative_spread(norms: Tensor, group: dist.ProcessGroup | None = None) -> float:
-    """How far the copies' local norms ``norms`` (one per gradient) are apart over ``group``
-    (default: the world), relative to the largest."""
-    gathered = [torch.zeros_like(norms) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, norms, group=group)
-    stacked = torch.stack(gathered).double()
-    return float(((stacked.amax(0) - stacked.amin(0)) / stacked.amax(0).clamp_min(1e-30)).max())
-
-
-def _bf16_ddp_steps() -> list:
-    torch.manual_seed(0)
-    layers = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)).bfloat16()
-    model = DistributedDataParallel(layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    spreads, norms = [], []
-    for step in range(STEPS):
-        batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).bfloat16()
-        model(batch.chunk(4)[dist.get_rank()]).float().pow(2).mean().backward()
-        local = torch.stack([p.grad.float().norm() for p in model.parameters()])
-        spreads.append(_relative_spread(local))
-        norms.append(local_bytes(clip_grad_norm_(model.parameters(), 1.0)))
-        optimizer.step()
-        optimizer.zero_grad()
-    return [max(spreads), norms]
-
-
-class _SequenceParallelBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(16)
-        self.up = nn.Linear(16, 32)
-        self.down = nn.Linear(32, 16)
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(x + self.down(torch.tanh(self.up(self.norm(x)))))
-
-
-def _bf16_fsdp_tp_sp_steps() -> list:
-    """FSDP2 on dp x TP with SequenceParallel, bf16 parameters and reductions; the trainer's
-    sequence (backward, sync_replicated_gradients, clip, step) on each tp rank's slice of the
-    sequence. The head's tp peers are copies once synced: their spread is measured."""
-    dp_tp = mesh((2, 2), ("dp", "tp"))
-    torch.manual_seed(0)
-    model = _SequenceParallelBlock()
-    plan = {
-        "norm": SequenceParallel(),
-        "up": ColwiseParallel(input_layouts=Shard(1)),
-        "down": RowwiseParallel(output_layouts=Shard(1)),
-    }
-    parallelize_module(model, dp_tp["tp"], plan)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    fully_shard(model, mesh=dp_tp["dp"], mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    dp_rank, tp_rank = dp_tp.get_coordinate()  # type: ignore[misc]
-    spreads, norms = [], []
-    for step in range(STEPS):
-        sequence = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(step))
-        model(sequence.chunk(2)[dp_rank].chunk(2, dim=1)[tp_rank]).float().pow(2).mean().backward()
-        sync_replicated_gradients(model, dp_tp["tp"])
-        head = torch.stack([local_tensor(p.grad).float().norm() for p in model.head.parameters()])
-        spreads.append(_relative_spread(head, dp_tp["tp"].get_group()))
-        norms.append(local_bytes(clip_grad_norm_(model.parameters(), 1.0)))
-        optimizer.step()
-        optimizer.zero_grad()
-    return [max(spreads), norms]
-
-
-@pytest.mark.parametrize(
-    "body", [_bf16_ddp_steps, _bf16_fsdp_tp_sp_steps], ids=["ddp", "fsdp_tp_sp"]
-)
+@pytest.mark.parametrize("body", [bf16_ddp_steps, bf16_fsdp_tp_sp_steps], ids=["ddp", "fsdp_tp_sp"])
 def test_legitimate_bf16_copies_never_raise_over_many_steps(ranks, body):
     results = ranks.run(4, body, timeout_s=180)
     tau = tolerance(torch.bfloat16)
