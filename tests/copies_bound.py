@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from credit.parallel._compat import local_tensor
+from credit.parallel._copies import tolerance
 from credit.parallel.collectives import clip_grad_norm_
 from credit.parallel.grad_sync import sync_replicated_gradients
 
@@ -62,6 +63,18 @@ def stage_groups(
     within = tuple(dist.new_group(list(range(s * dp, s * dp + dp))) for s in range(stages))
     assert all(group is not None for group in pp + within)
     return pp, within  # type: ignore[return-value]
+
+
+def legitimate_everywhere(results: list) -> None:
+    """A training body's results: the copies stayed far within the bf16 tolerance (an eighth of
+    it), and every rank returned the same norm at every step."""
+    tau = tolerance(torch.bfloat16)
+    for spread, norms in results:
+        assert spread <= tau / 8, f"legitimate copies {spread:.2g} apart, tau {tau:.2g}"
+        assert len(norms) == STEPS
+        for step, norm in enumerate(norms):
+            assert torch.equal(norm, results[0][1][step]), "the same norm on every rank"
+            assert norm.numel() > 0
 
 
 def relative_spread(norms: Tensor, group: ProcessGroup | None = None) -> float:
