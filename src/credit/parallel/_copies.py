@@ -253,21 +253,21 @@ def differ(summed: Tensor, limits: Tensor | None) -> Tensor:
             and passes.
     """
     if limits is None:
-        summed, carried = summed.split([summed.shape[1] - 2, 2], dim=1)
-        copies = carried[:, :1].clamp_min(1.0)
-        limits = torch.cat([copies, carried[:, 1:] / copies], dim=1)
-    return _grouped_differ(summed, limits)
+        summed, copies, taus = summed.split([summed.shape[1] - 2, 1, 1], dim=1)
+        copies = copies.clamp_min(1.0)
+        return _grouped_differ(summed, copies, taus / copies)
+    return _grouped_differ(summed, limits[:, :1], limits[:, 1:])
 
 
-def _grouped_differ(summed: Tensor, limits: Tensor) -> Tensor:
-    """The test of a slot per group of ``c`` copies, column by column: the spread of the copies'
+def _grouped_differ(summed: Tensor, copies: Tensor, tau: Tensor) -> Tensor:
+    """The test of a slot per group of ``c`` copies (``copies``, and ``tau``, one row per slot),
+    column by column: the spread of the copies'
     fingerprints about their mean, ``sqrt(sum (f - mean f)**2) = sqrt(S2 - S1**2 / c)``, must not
     exceed ``tau`` times the copies' mean norm. Beside it, the float64 rounding of the sums: ``S1``
     errs by at most ``(c - 1) 2**-53 sum |f| <= (c - 1) 2**-53 sqrt(c S2)``, so ``S1**2 / c`` by
     about ``2 (c - 1) 2**-53 S2``, ``S2`` by ``(c - 1) 2**-53 S2``: ``c 2**-51 S2`` covers both.
     """
     first, second = summed.split(summed.shape[1] // 2, dim=1)
-    copies, tau = limits[:, :1], limits[:, 1:]
     mean = first / copies
     spread = second - first * mean  # the sum of squared deviations from the mean
     allowed = (tau * mean[:, :1]) ** 2 + copies * _SUMMATION * second

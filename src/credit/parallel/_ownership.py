@@ -183,26 +183,37 @@ def holding(grad: Tensor) -> Holding:
     """The :class:`Holding` of ``grad`` on this rank (cached per layout, under the current
     process group: a group formed again may give this process another rank)."""
     if not isinstance(grad, DTensor):
-        key: tuple = (grad.shape, grad.dtype, grad.device)
+        key = _plain_key(grad)
         return _by_value.get(key) or _by_value.put(key, _plain_holding(grad))
     spec = dtensor_spec(grad)
     entry = _by_spec.get(id(spec))
     if entry is not None:
         return entry[1]
-    key = (spec.mesh, tuple(spec.placements), spec.shape, grad.dtype)
-    found = _by_value.get(key) or _by_value.put(key, _dtensor_holding(grad))
+    dtensor_key = (spec.mesh, tuple(spec.placements), spec.shape, grad.dtype)
+    found = _by_value.get(dtensor_key) or _by_value.put(dtensor_key, _dtensor_holding(grad))
     _by_spec.put(id(spec), (spec, found))
     return found
 
 
 def holdings(grads: list[Tensor]) -> list[Holding]:
-    """:func:`holding` of each of ``grads``: DTensors seen before in one pass over the cache."""
+    """:func:`holding` of each of ``grads``: those seen before in one pass over each cache."""
     specs = [dtensor_spec(g) if isinstance(g, DTensor) else None for g in grads]
-    known = _by_spec.get_many([id(spec) for spec in specs])
-    return [
-        entry[1] if entry is not None and spec is not None else holding(grad)
-        for grad, spec, entry in zip(grads, specs, known, strict=True)
-    ]
+    by_spec = iter(_by_spec.get_many([id(spec) for spec in specs if spec is not None]))
+    plain = [_plain_key(grad) for grad, spec in zip(grads, specs, strict=True) if spec is None]
+    by_value = iter(_by_value.get_many(plain))
+    found = []
+    for grad, spec in zip(grads, specs, strict=True):
+        if spec is None:
+            known = next(by_value)
+        else:
+            entry = next(by_spec)
+            known = entry[1] if entry is not None else None
+        found.append(known or holding(grad))
+    return found
+
+
+def _plain_key(grad: Tensor) -> tuple:
+    return (grad.shape, grad.dtype, grad.device)
 
 
 def _plain_holding(grad: Tensor) -> Holding:
