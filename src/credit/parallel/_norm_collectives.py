@@ -128,10 +128,12 @@ def _summed_and_compared(
     where they do not fit it yet, or without local norms."""
     copies, device = plan.copies, plan.order.device
     rows, offset = _stage_slots.section(regions, plan.at.index, copies.slot_count)
-    comparison = torch.zeros(rows, _copies.width(copies, 1), dtype=torch.float64, device=device)
-    if stacked is not None and offset is not None and copies.compared:
-        norms = stacked.to(torch.float64).index_select(0, copies.positions)
-        comparison = _copies.terms_of(copies, norms[:, None], rows, offset)
+    norms = torch.zeros(0, 1, dtype=torch.float64, device=device)
+    if stacked is None:
+        offset = None  # nothing to compare: zeros
+    elif offset is not None and copies.compared:
+        norms = stacked.to(torch.float64).index_select(0, copies.positions)[:, None]
+    comparison = _copies.terms_of(copies, norms, rows, offset)
     vector = torch.cat([values.to(torch.float64), comparison.flatten()])
     dist.all_reduce(vector, op=dist.ReduceOp.SUM)
     sums, compared = vector.split([values.numel(), comparison.numel()])
