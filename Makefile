@@ -48,18 +48,20 @@ docs: $(DEV)
 
 # `make test-torch TORCH=X.Y.Z`: the whole suite against that torch release, in its own venv.
 # The constraint override lets releases newer than the machine's pinned torch install.
+# DROP_VENV=1 removes the venv once its suite has passed (CI: each holds a 5-7 GB build of torch).
 test-torch:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=X.Y.Z" >&2; exit 2; }
 	$(MAKE) .venv-torch-$(TORCH)/.installed
 	.venv-torch-$(TORCH)/bin/python -m pytest -q
+	$(if $(filter 1,$(DROP_VENV)),rm -rf .venv-torch-$(TORCH))
 
 test-compat:
-	$(MAKE) test-torch TORCH=$(TORCH_FLOOR)
-	$(MAKE) test-torch TORCH=$(TORCH_NEWEST)
+	$(MAKE) test-torch TORCH=$(TORCH_FLOOR) DROP_VENV=$(DROP_VENV)
+	$(MAKE) test-torch TORCH=$(TORCH_NEWEST) DROP_VENV=$(DROP_VENV)
 
 .venv-torch-%/.installed: pyproject.toml
 	$(PYTHON) -m venv .venv-torch-$*
-	PIP_CONSTRAINT=/dev/null .venv-torch-$*/bin/python -m pip install --quiet torch==$* -e '.[dev,docs]'
+	PIP_CONSTRAINT=/dev/null .venv-torch-$*/bin/python -m pip install --quiet --no-cache-dir torch==$* -e '.[dev,docs]'
 	touch $@
 
 # `make test-integrations`: each framework's recipe run against the framework itself, on 4 gloo
