@@ -11,7 +11,7 @@ from layouts import ulp_distance
 from report import Row
 from torch import Tensor, nn
 
-from credit.parallel._compat import local_tensor
+from credit.parallel._common.compat import local_tensor
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 
 

@@ -1,6 +1,6 @@
 """The replica check's digests on one GPU, against SHA-1 of each tensor on the host.
 
-The replica check's cost per rank is its digests (``credit.parallel._digests``), one all_reduce
+The replica check's cost per rank is its digests (``credit.parallel._replicas.digests``), one all_reduce
 of 48 bytes and one read of the verdict; Megatron-LM's scheme copies every tensor to the host and
 hashes it there. This times both on the tensors the benchmark's replica case checks (the
 layouts' model and its AdamW state: 1618 tensors, 11.5 MiB) and on a large set (3 GiB: 192
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from layouts import TinyNet
 from workloads import MODEL
 
-from credit.parallel import _digests
+from credit.parallel._replicas import digests as _digests
 
 
 def _model_and_state(device: torch.device, fused: bool) -> list[Tensor]:

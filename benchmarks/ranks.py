@@ -22,8 +22,8 @@ from report import Result, Row, Timed
 from timing import Progress, measure
 from workloads import Context, Workload
 
-from credit.parallel import _buckets
-from credit.parallel._launch import init_process_group
+from credit.parallel._averaging import buckets as _buckets
+from credit.parallel._common.launch import init_process_group
 
 
 @dataclass(frozen=True)

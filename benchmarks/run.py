@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from simulated import simulated
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from credit.parallel._launch import launch_local
+    from credit.parallel._common.launch import launch_local
 
     config = Config(
         backend=args.backend,

@@ -28,7 +28,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from credit.parallel._compat import local_tensor
+from credit.parallel._common.compat import local_tensor
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import clip_grad_norm_, contiguous_grads_, total_grad_norm
 from credit.parallel.grad_sync import sync_domain_gradients, sync_domain_gradients_in_backward

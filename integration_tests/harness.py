@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from credit.parallel._launch import init_process_group, launch_local
+from credit.parallel._common.launch import init_process_group, launch_local
 
 # Set by .ci/run: a framework missing there fails its tests instead of skipping them.
 REQUIRE_ENV = "CREDIT_PARALLEL_REQUIRE_FRAMEWORKS"

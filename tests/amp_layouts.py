@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from credit.parallel._compat import is_shard, local_tensor
+from credit.parallel._common.compat import is_shard, local_tensor
 from credit.parallel.grad_sync import sync_domain_gradients, sync_replicated_gradients
 
 STEPS = 6

@@ -28,8 +28,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from credit.parallel._compat import local_tensor
-from credit.parallel._copies import tolerance
+from credit.parallel._common.compat import local_tensor
+from credit.parallel._norm.copies import tolerance
 from credit.parallel.collectives import clip_grad_norm_
 from credit.parallel.grad_sync import sync_replicated_gradients
 

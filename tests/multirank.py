@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from credit.parallel._store import host_store
+from credit.parallel._common.launch import host_store
 
 HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 90.0

@@ -51,7 +51,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from credit.parallel import _compat, collectives
+from credit.parallel import collectives
+from credit.parallel._common import compat as _compat
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import all_reduce_avg, allreduce_grads_avg, clip_grad_norm_
 from credit.parallel.collectives import total_grad_norm as _total_grad_norm

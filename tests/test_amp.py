@@ -45,7 +45,7 @@ from layouts import IN_DIM
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from credit.parallel._compat import local_tensor
+from credit.parallel._common.compat import local_tensor
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import clip_grad_norm_
 

@@ -52,7 +52,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from credit.parallel._compat import local_tensor
+from credit.parallel._common.compat import local_tensor
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.grad_sync import sync_domain_gradients, sync_replicated_gradients

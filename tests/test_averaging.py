@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import credit.parallel._groups as groups_module
+import credit.parallel._common.groups as groups_module
 from credit.parallel.collectives import all_reduce_avg, allreduce_grads_avg
 
 INTEGER_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from credit.parallel import _buckets
+from credit.parallel._averaging import buckets as _buckets
 from credit.parallel.collectives import allreduce_grads_avg, contiguous_grads_
 
 MiB = 2**20

@@ -19,7 +19,7 @@ from layouts import build, local_bytes
 from torch import Tensor, nn
 from torch.distributed.tensor.debug import CommDebugMode
 
-from credit.parallel._layout_check import ENV_VAR, verify_same_layout
+from credit.parallel._common.layout_check import ENV_VAR, verify_same_layout
 from credit.parallel.collectives import (
     allreduce_grads_avg,
     clip_grad_norm_,

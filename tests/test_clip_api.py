@@ -48,9 +48,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from credit.parallel._clip import clip_coefficient
-from credit.parallel._compat import local_tensor
-from credit.parallel._inputs import clip_bound
+from credit.parallel._common.compat import local_tensor
+from credit.parallel._common.inputs import clip_bound
+from credit.parallel._norm.clip import clip_coefficient
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import (
     clip_grad_norm_,

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from credit.parallel._copies import fingerprints, tolerance
+from credit.parallel._norm.copies import fingerprints, tolerance
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
 

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel
 
-from credit.parallel._copies import tolerance
+from credit.parallel._norm.copies import tolerance
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from credit.parallel import _digests
+from credit.parallel._replicas import digests as _digests
 
 MOD = 1 << 64
 ROW = 64
@@ -381,7 +381,7 @@ def test_a_planned_call_has_no_host_sync_and_its_kernels_do_not_grow_with_the_te
     assert {"lift_fresh", "arange", "bitwise_xor", "cumsum"} <= set(building.ops)
 
 
-def _kept_bytes(plan: _digests.Plan) -> int:
+def _kept_bytes(plan: _digests.DigestPlan) -> int:
     """The bytes of the tensors a plan keeps (its parts' row owners, coefficients, weights)."""
     kept = [
         t

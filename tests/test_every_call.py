@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from credit.parallel._scoped import ScopedCache
+from credit.parallel._common.scoped import ScopedCache
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.replicas import ReplicaMismatchError, verify_replicas
 

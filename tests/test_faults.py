@@ -25,8 +25,8 @@ from layouts import build, full_grads, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from credit.parallel._compat import local_tensor
-from credit.parallel._store import host_store
+from credit.parallel._common.compat import local_tensor
+from credit.parallel._common.launch import host_store
 from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
 

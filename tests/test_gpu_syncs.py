@@ -52,7 +52,7 @@ from sync_paths import CALLS, ROWS, WORLD, Row, World
 from torch import Tensor, nn
 
 from credit.parallel import collectives
-from credit.parallel._compat import local_tensor
+from credit.parallel._common.compat import local_tensor
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import (
     all_reduce_avg,

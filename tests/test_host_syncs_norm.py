@@ -27,7 +27,8 @@ from layouts import build, grads
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from credit.parallel import _ownership, collectives
+from credit.parallel import collectives
+from credit.parallel._common import ownership as _ownership
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
@@ -49,7 +50,7 @@ def _library_function() -> str | None:
     """``file:function`` of the innermost library frame, or None outside the library."""
     for frame in reversed(traceback.extract_stack()):
         if frame.filename.startswith(LIBRARY):
-            return f"{os.path.basename(frame.filename)}:{frame.name}"
+            return f"{os.path.relpath(frame.filename, LIBRARY)}:{frame.name}"
     return None
 
 
@@ -107,7 +108,7 @@ def test_the_recorder_sees_a_read_and_a_copy_in_the_library():
     with HostSyncs() as syncs:
         total_grad_norm([torch.ones(3)], error_if_nonfinite=True)
         float(torch.ones(2).sum())  # outside the library: not counted
-    assert syncs.events == {(READ, "_norm_verdict.py:_finite_and_differ"): 1}
+    assert syncs.events == {(READ, "_norm/verdict.py:_finite_and_differ"): 1}
     with HostSyncs() as syncs:
         torch.ones(2).tolist()
         torch.tensor([1.0, 2.0])
@@ -116,16 +117,16 @@ def test_the_recorder_sees_a_read_and_a_copy_in_the_library():
 
 
 # Each rank's events, named by the calls of the trainer.
-PLAN = (FROM_HOST, "_norm_plan.py:_on_device")  # the plan's constants, one copy
-COPIES = (FROM_HOST, "_copies.py:plan")  # the comparison of copies' constants, one copy
-VERDICT = (READ, "_norm_proof.py:prove")  # the verification's verdict
-INDEX = (FROM_HOST, "_norm_order.py:indices")  # an index tensor asked for the first time
+PLAN = (FROM_HOST, "_norm/plan.py:_on_device")  # the plan's constants, one copy
+COPIES = (FROM_HOST, "_norm/copies.py:plan")  # the comparison of copies' constants, one copy
+VERDICT = (READ, "_norm/proof.py:prove")  # the verification's verdict
+INDEX = (FROM_HOST, "_norm/stacking.py:indices")  # an index tensor asked for the first time
 REPORT = (READ, "norm_report.py:_read")
-STAGES = (READ, "_norm_collectives.py:_stages")  # the pipeline's one read
-STAGE_RANKS = {(READ, "_ownership.py:stage_ranks"): 1}
+STAGES = (READ, "_norm/collective.py:_stages")  # the pipeline's one read
+STAGE_RANKS = {(READ, "_common/ownership.py:stage_ranks"): 1}
 # The copies' verdict, read at once where the collective's tensors are on the CPU (reading costs
 # no sync there); on a GPU it stays on the device (test_host_syncs.py traces the CUDA path).
-CPU_VERDICT = (READ, "_norm_verdict.py:raise_if_copies_differ")
+CPU_VERDICT = (READ, "_norm/verdict.py:raise_if_copies_differ")
 
 
 def _one_stage() -> dict[str, list[Events]]:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from credit.parallel._compat import local_tensor
+from credit.parallel._common.compat import local_tensor
 from credit.parallel.replicas import ReplicaMismatchError, ReplicaReport, verify_replicas
 
 WORLD = 4

@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from credit.parallel import _aliasing, _digests
-from credit.parallel._compat import local_tensor
+from credit.parallel._common import aliasing as _aliasing
+from credit.parallel._common.compat import local_tensor
+from credit.parallel._replicas import digests as _digests
 from credit.parallel.replicas import ReplicaMismatchError, verify_replicas
 
 WORLD = 4

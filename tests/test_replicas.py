@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from credit.parallel._compat import local_tensor
+from credit.parallel._common.compat import local_tensor
 from credit.parallel.replicas import ReplicaMismatchError, verify_replicas
 
 WORLD = 4

@@ -28,9 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState
 
-from credit.parallel import _found_inf
-from credit.parallel._compat import local_tensor
-from credit.parallel._skipped_steps import SkippedSteps
+from credit.parallel import _scaler
+from credit.parallel._common.compat import local_tensor
 
 __all__ = ["GradScaler"]
 
@@ -118,8 +117,8 @@ class GradScaler(torch.amp.GradScaler):
             enabled,
         )
         self.scaling = scaling
-        self._flags = _found_inf.StepFlags()  # one per optimizer, from unscale_ to update()
-        self._skipped_steps = SkippedSteps(model)
+        self._flags = _scaler.StepFlags()  # one per optimizer, from unscale_ to update()
+        self._skipped_steps = _scaler.SkippedSteps(model)
 
     # --- scaling off ---------------------------------------------------------------------------
 
@@ -157,7 +156,7 @@ class GradScaler(torch.amp.GradScaler):
         local = None
         if self.scaling:
             # FP32 division can be imprecise for certain compile options: the reciprocal in FP64.
-            local = _found_inf.check_and_unscale(grads, scale.double().reciprocal().float())
+            local = _scaler.check_and_unscale(grads, scale.double().reciprocal().float())
         self._flags.expect(id(optimizer), grads, scale.device, local)
         state["found_inf_per_device"] = {scale.device: torch.zeros_like(scale)}
         state["stage"] = OptState.UNSCALED
@@ -175,7 +174,7 @@ class GradScaler(torch.amp.GradScaler):
         self._scale_tracker(optimizer)
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         grads = _local_grads(optimizer, allow_fp16=True)
-        local = _found_inf.check(grads, scale.device)
+        local = _scaler.check(grads, scale.device)
         self._flags.expect(id(optimizer), grads, scale.device, local)
         self._decide(id(optimizer))
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]

@@ -13,24 +13,19 @@ import functools
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _buckets, _clip, _inputs, _norm_order, _norms, _ownership
-from credit.parallel._compat import local_tensor
-from credit.parallel._foreach import (
+from credit.parallel import _averaging, _norm
+from credit.parallel._common import inputs as _inputs
+from credit.parallel._common.compat import (
     group_by_device_and_dtype,
+    local_tensor,
 )
-from credit.parallel._groups import (
+from credit.parallel._common.groups import (
     GroupLike,
-    averaging,
-    group_size,
-    resolve_group,
 )
-from credit.parallel._inputs import DistinctAlong, TensorOrTensors
-from credit.parallel._layout_check import check_enabled
+from credit.parallel._common.inputs import DistinctAlong, TensorOrTensors
 
 __all__ = [
     "all_reduce_avg",
@@ -42,7 +37,7 @@ __all__ = [
     "total_grad_norm",
 ]
 
-DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_BUCKET_CAP_MB = _averaging.DEFAULT_BUCKET_CAP_MB
 
 
 def all_reduce_avg(tensor: Tensor, group: GroupLike = None) -> None:
@@ -59,17 +54,7 @@ def all_reduce_avg(tensor: Tensor, group: GroupLike = None) -> None:
     Raises:
         TypeError: ``tensor`` is not a tensor, or is not floating point.
     """
-    if not isinstance(tensor, Tensor):
-        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    _inputs.check_grads([tensor], "tensor")
-    process_group = resolve_group(group)
-    if group_size(process_group) == 1:
-        return
-    local = local_tensor(tensor)
-    how = averaging(process_group, local.device)
-    dist.all_reduce(local, op=how.op, group=process_group)
-    if how.divisor != 1:
-        local.div_(how.divisor)
+    _averaging.average_tensor(tensor, group)
 
 
 @torch.no_grad()
@@ -115,52 +100,7 @@ def allreduce_grads_avg(
         RuntimeError: the ranks' layouts differ (raised on every rank, naming the first
             difference).
     """
-    grad_list = _inputs.tensor_list(grads, "grads")
-    _inputs.check_grads(grad_list, "grads")
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-    process_group = resolve_group(group)
-    if group_size(process_group) == 1 or not grad_list:
-        return
-    local = [local_tensor(g) for g in grad_list]
-    plan = _buckets.plan(local, int(bucket_cap_mb * 2**20))
-    hint = ""
-    if any(isinstance(g, DTensor) for g in grad_list):
-        hint = _NOT_ORTHOGONAL
-        _refuse_mixed_shards(plan, grad_list, process_group)
-    _buckets.verify(plan, process_group, check_enabled(check), "allreduce_grads_avg", hint)
-    _buckets.average_(plan, process_group)
-
-
-_NOT_ORTHOGONAL = (
-    "The group must be orthogonal to the sharding of the DTensor gradients (a domain or tp group, "
-    "not the group FSDP2 shards them over), so that its ranks hold the same elements."
-)
-
-
-def _refuse_mixed_shards(
-    plan: _buckets.Plan, grads: list[Tensor], group: ProcessGroup | None
-) -> None:
-    """Refuse the call when ``group`` holds two ranks with different shards of one gradient."""
-    ranks = frozenset(
-        dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    )
-    verdicts: dict[tuple[int, object], bool] = {}
-    for index, grad in enumerate(grads):
-        if not isinstance(grad, DTensor):
-            continue
-        key = (id(grad.device_mesh), grad.placements)
-        if key not in verdicts:
-            verdicts[key] = _ownership.mixes_shards(grad, ranks)
-        if verdicts[key]:
-            plan.refuse(
-                index,
-                "its shards differ across the group",
-                f"averaging grads[{index}] over this group would mix different shards of it "
-                f"(placements {grad.placements} on {grad.device_mesh}). {_NOT_ORTHOGONAL} "
-                "No gradient was modified.",
-            )
-            return
+    _averaging.average_grads(grads, group, bucket_cap_mb, check)
 
 
 @torch.no_grad()
@@ -342,7 +282,7 @@ def _norm_of(
 ) -> Tensor:
     """The total norm of ``grads`` for the public function ``what``, whose argument ``argument``
     holds them (named in messages)."""
-    request = _inputs.norm_request(
+    request = _norm.norm_request(
         grads,
         what,
         norm_type,
@@ -355,7 +295,7 @@ def _norm_of(
         per_rank,
         argument=argument,
     )
-    return _norms.reduce(request).total
+    return _norm.reduce(request).total
 
 
 @torch.no_grad()
@@ -419,7 +359,7 @@ def clip_grad_norm_(
     """
     params, names = _inputs.parameter_list(parameters)
     bound = _inputs.clip_bound(max_norm)
-    request = _inputs.norm_request(
+    request = _norm.norm_request(
         [grad for p in params if (grad := p.grad) is not None],
         "clip_grad_norm_",
         norm_type,
@@ -432,8 +372,8 @@ def clip_grad_norm_(
         per_rank,
         label=functools.partial(_inputs.parameter_label, params, names),
     )
-    reduced = _norms.reduce(request)
-    _clip.scale_(reduced.local, reduced.order.groups, reduced.total, bound, foreach)
+    reduced = _norm.reduce(request)
+    _norm.scale_(reduced.local, reduced.stacking.groups, reduced.total, bound, foreach)
     return reduced.total
 
 
@@ -491,7 +431,7 @@ def clip_grads_with_norm_(
     total = _inputs.scalar_view(total_norm, "total_norm")
     _inputs.check_grads(grads, "grads")
     local = [local_tensor(grad) for grad in grads]
-    _clip.scale_(local, _norm_order.order_of(local).groups, total, bound, foreach)
+    _norm.scale_(local, _norm.stacking_of(local).groups, total, bound, foreach)
 
 
 @torch.no_grad()

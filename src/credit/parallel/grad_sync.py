@@ -25,11 +25,11 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _in_backward, _inputs
-from credit.parallel._compat import is_shard
-from credit.parallel._groups import GroupLike, peer_group
-from credit.parallel._inputs import TensorOrTensors
-from credit.parallel.collectives import allreduce_grads_avg
+from credit.parallel import _averaging
+from credit.parallel._common import inputs as _inputs
+from credit.parallel._common.compat import is_shard
+from credit.parallel._common.groups import GroupLike, peer_group
+from credit.parallel._common.inputs import TensorOrTensors
 
 __all__ = [
     "DomainSyncHandle",
@@ -85,12 +85,12 @@ def sync_domain_gradients(
     process_group = peer_group(group, "group")
     if process_group is None:
         return
-    allreduce_grads_avg([p.grad for p in params], process_group, check=check)
+    _averaging.average_grads([p.grad for p in params], process_group, check=check)
 
 
 def _refuse_averaged_in_backward(params: list[Tensor]) -> None:
     """RuntimeError when a handle already averages these gradients inside backward."""
-    index = _in_backward.first_averaged_in_backward(params)
+    index = _averaging.first_averaged_in_backward(params)
     if index is not None:
         raise RuntimeError(
             f"sync_domain_gradients: parameter {index} is averaged over the domain group "
@@ -155,10 +155,10 @@ def sync_domain_gradients_in_backward(model: nn.Module, group: GroupLike) -> Dom
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     process_group = peer_group(group, "group")
-    backend = _in_backward.backend_for(model, process_group)
+    backend = _averaging.backend_for(model, process_group)
     params: list[Tensor] = [param for param in model.parameters() if param.requires_grad]
     if process_group is not None:
-        index = _in_backward.first_averaged_in_backward(params)
+        index = _averaging.first_averaged_in_backward(params)
         if index is not None:
             raise RuntimeError(
                 f"sync_domain_gradients_in_backward: parameter {index} is averaged inside "
@@ -177,13 +177,13 @@ class DomainSyncHandle:
             of one, and after :meth:`remove`).
     """
 
-    def __init__(self, backend: _in_backward.Backend, params: list[Tensor]) -> None:
+    def __init__(self, backend: _averaging.Backend, params: list[Tensor]) -> None:
         self._backend = backend
         self._params = params
         self.kind = backend.kind
         self.active = bool(params)
         for param in params:
-            _in_backward.averaged_in_backward[param] = self
+            _averaging.averaged_in_backward[param] = self
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Whether the next backward reduces gradients (False on micro-steps before a boundary).
@@ -208,7 +208,7 @@ class DomainSyncHandle:
             return
         self._backend.detach()
         for param in self._params:
-            _in_backward.averaged_in_backward.pop(param, None)
+            _averaging.averaged_in_backward.pop(param, None)
         self._params, self.active = [], False
 
 
@@ -276,7 +276,7 @@ def sync_replicated_gradients(
         return
     dim = tp_dim if tp_dim is not None else _group_dim_name(tp_group)
     replicated = [p.grad for p in params if p.grad is not None and not _param_sharded(p, dim)]
-    allreduce_grads_avg(replicated, process_group, check=check)
+    _averaging.average_grads(replicated, process_group, check=check)
 
 
 def _param_sharded(param: Tensor, tp_dim: str) -> bool:

@@ -18,11 +18,10 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from credit.parallel import _inputs, _norm_verdict, _norms
-from credit.parallel._compat import is_shard
-from credit.parallel._groups import GroupLike
-from credit.parallel._inputs import DistinctAlong, NormRequest
-from credit.parallel._norm_results import Reduced
+from credit.parallel import _norm
+from credit.parallel._common.compat import is_shard
+from credit.parallel._common.groups import GroupLike
+from credit.parallel._common.inputs import DistinctAlong
 from credit.parallel.grad_sync import is_tp_sharded
 
 __all__ = ["DEFAULT_GROUPS", "TOTAL", "grad_norm_report"]
@@ -102,11 +101,11 @@ def grad_norm_report(
         {'embed': 0.31, 'blocks.0': 1.27, 'blocks.1': 0.88, 'head': 0.05, 'total': 1.58}
         >>> logger.info("grad norms %s", report)
     """
-    order = _inputs.norm_order(norm_type)
+    order = _norm.checked_norm_type(norm_type)
     if not order > 0:
         raise ValueError(f"norm_type must be positive or inf, got {order}")
     named = _named_grads(named_parameters)
-    request = _inputs.norm_request(
+    request = _norm.norm_request(
         [grad for _, grad, _ in named],
         "grad_norm_report",
         order,
@@ -122,7 +121,7 @@ def grad_norm_report(
     keys = [_group_name(group_by, name, param) for name, _, param in named]
     names = _report_names(keys, group_by, groups, request.pp_group)
     segment_of = [names.index(key) for key in keys]
-    reduced = _norms.reduce(request, segment_of, len(names))
+    reduced = _norm.reduce(request, segment_of, len(names))
     values, present = _read(reduced, request, segment_of, len(names))
     keep_all = group_by is not None or groups is not None
     report = {
@@ -135,7 +134,7 @@ def grad_norm_report(
 
 
 def _read(
-    reduced: Reduced, request: NormRequest, segment_of: list[int], count: int
+    reduced: _norm.Reduced, request: _norm.NormRequest, segment_of: list[int], count: int
 ) -> tuple[list[float], list[bool]]:
     """Each group's norm and the total, read on the host once, and whether each group has
     gradients on some rank."""
@@ -144,15 +143,15 @@ def _read(
         norms_and_total = torch.tensor(reduced.host[: count + 1], dtype=torch.float64)
         present = [held > 0 for held in reduced.host[count + 1 :]]
         return norms_and_total.to(total.dtype).tolist(), present
-    norms, present = _group_norms(reduced, segment_of, count, request.order)
+    norms, present = _group_norms(reduced, segment_of, count, request.norm_type)
     values = torch.cat([norms.to(total), total.reshape(1)]).tolist()  # the one read
     if not math.isfinite(values[-1]):  # copies that differ leave a NaN total
-        _norm_verdict.raise_if_copies_differ(reduced, request)
+        _norm.raise_if_copies_differ(reduced, request)
     return values, present
 
 
 def _group_norms(
-    reduced: Reduced, segment_of: list[int], count: int, order: float
+    reduced: _norm.Reduced, segment_of: list[int], count: int, order: float
 ) -> tuple[Tensor, list[bool]]:
     """Each group's norm from the per-gradient norms, and whether the group has gradients.
 
@@ -161,10 +160,10 @@ def _group_norms(
     """
     entries = reduced.entries
     members: list[list[int]] = [[] for _ in range(count)]
-    for position, index in enumerate(reduced.order.stacked):
+    for position, index in enumerate(reduced.stacking.stacked):
         members[segment_of[index]].append(position)
     held = [positions for positions in members if positions]
-    indices = iter(reduced.order.indices(("groups", tuple(segment_of)), lambda: held))
+    indices = iter(reduced.stacking.indices(("groups", tuple(segment_of)), lambda: held))
     norms = [
         torch.linalg.vector_norm(entries.index_select(0, next(indices)), order)
         if positions

@@ -40,11 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from credit.parallel import _inputs, _replica_arguments, _replica_plan, _replica_settle
-from credit.parallel._groups import GroupLike, moves_data
-from credit.parallel._replica_messages import WHAT, listed
-from credit.parallel._replica_plan import LANES
-from credit.parallel._replica_records import Mismatch
+from credit.parallel import _replicas
+from credit.parallel._common import inputs as _inputs
+from credit.parallel._common.groups import GroupLike
+from credit.parallel._replicas import Mismatch
 
 __all__ = ["Mismatch", "ReplicaMismatchError", "ReplicaReport", "verify_replicas"]
 
@@ -169,7 +168,7 @@ def verify_replicas(
         RuntimeError: the ranks of a stage hold different parameters or buffers, or a tensor's
             copies do not add up to whole copies on every rank (raised on every rank).
     """
-    request = _replica_arguments.request(
+    request = _replicas.request(
         model,
         optimizer,
         distinct_along=distinct_along,
@@ -180,23 +179,16 @@ def verify_replicas(
     )
     if not request.distributed:
         return ReplicaReport(len(request.entries), 0, 0, request.buffers)
-    plan = _replica_plan.plan(request)
-    vector = plan.constant.clone()  # presence terms, self-check, error count
-    if request.outside is not None:
-        vector[-1] += 1
-    prints = None
-    if plan.compared:
-        prints = plan.digests([request.local[i] for i in plan.compared])
-        vector[:LANES] += (plan.coefficients * prints).sum(0)
-    dist.all_reduce(vector, op=dist.ReduceOp.SUM)
+    plan = _replicas.plan(request)
+    proof = _replicas.prove(request, plan)
     report = ReplicaReport(
         len(request.entries), len(plan.compared), plan.digests.nbytes, request.buffers
     )
-    if not bool(vector.any()) or not moves_data():  # the verdict: the one host sync
+    if proof.proven:
         return report
-    settled = _replica_settle.settle(request, plan, prints)
+    settled = _replicas.settle(request, plan, proof.prints)
     if settled.error is not None:
         raise ReplicaMismatchError(settled.error, settled.mismatches)
     if dist.get_rank() == 0:
-        logger.warning("%s repaired %s", WHAT, listed(settled.mismatches))
+        logger.warning("%s repaired %s", _replicas.WHAT, _replicas.listed(settled.mismatches))
     return dataclasses.replace(report, repaired=settled.mismatches)

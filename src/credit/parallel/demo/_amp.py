@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from credit.parallel._compat import local_tensor
+from credit.parallel._common.compat import local_tensor
 from credit.parallel.amp import GradScaler
 from credit.parallel.demo._cli import Options
 from credit.parallel.grad_sync import is_tp_sharded

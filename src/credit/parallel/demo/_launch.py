@@ -6,7 +6,7 @@ import importlib
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from credit.parallel._launch import launch_local
+from credit.parallel._common.launch import launch_local
 from credit.parallel.demo import _report
 from credit.parallel.demo._cli import Options
 from credit.parallel.demo._train import (

@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from credit.parallel._groups import collective_device
-from credit.parallel._launch import init_process_group
+from credit.parallel._common.groups import collective_device
+from credit.parallel._common.launch import init_process_group
 from credit.parallel.collectives import all_reduce_avg, clip_grad_norm_
 from credit.parallel.demo import _amp, _report
 from credit.parallel.demo._cli import Options

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from credit.parallel import _inputs
-from credit.parallel._compat import unscaled_since_update
-from credit.parallel._groups import GroupLike
-from credit.parallel._inputs import DistinctAlong, TensorOrTensors
+from credit.parallel import _norm
+from credit.parallel._common import inputs as _inputs
+from credit.parallel._common.compat import unscaled_since_update
+from credit.parallel._common.groups import GroupLike
+from credit.parallel._common.inputs import DistinctAlong, TensorOrTensors
 from credit.parallel.collectives import clip_grad_norm_ as _clip_grad_norm_
 
 __all__ = ["clip_grad_norm_"]
@@ -74,7 +75,7 @@ def clip_grad_norm_(
     scaler = _scaler_of(accelerator)
     params, names = _inputs.parameter_list(parameters)
     _inputs.clip_bound(max_norm)
-    _inputs.norm_order(norm_type)
+    _norm.checked_norm_type(norm_type)
     grads = [grad for p in params if (grad := p.grad) is not None]
     _inputs.check_grads(grads, "parameters")
     distinct_along = _reusable(distinct_along)

@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from credit.parallel._inputs import DistinctAlong
+from credit.parallel._common.inputs import DistinctAlong
 from credit.parallel.collectives import clip_grad_norm_
 
 __all__ = ["MeshSafeGradientClipping"]

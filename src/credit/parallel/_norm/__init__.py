@@ -1,0 +1,27 @@
+"""The gradient norm over any mix of meshes and pipeline stages, and the clip that follows it.
+
+``reduce`` runs the norm's steps in order (``steps``); the public functions, the scaler and the
+integrations import the names below, never the steps' modules.
+"""
+
+from credit.parallel._norm.clip import scale_
+from credit.parallel._norm.hooks import Normed, attach, detach
+from credit.parallel._norm.request import NormRequest, checked_norm_type, norm_request
+from credit.parallel._norm.results import Reduced
+from credit.parallel._norm.stacking import stacking_of
+from credit.parallel._norm.steps import reduce
+from credit.parallel._norm.verdict import raise_if_copies_differ
+
+__all__ = [
+    "NormRequest",
+    "Normed",
+    "Reduced",
+    "attach",
+    "checked_norm_type",
+    "detach",
+    "norm_request",
+    "raise_if_copies_differ",
+    "reduce",
+    "scale_",
+    "stacking_of",
+]

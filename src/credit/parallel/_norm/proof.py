@@ -1,0 +1,97 @@
+"""The norm's third step: the layout's proof, on its first call (and every call in check mode).
+
+Two things are proven, in one float64 all_reduce: the self-check (every rank of a stage holds a
+shard of every gradient on its own copy of the mesh: the terms of ``_ownership.coverage`` sum to
+zero), and that the ranks taken for copies of a shard hold the same values (``_copies``, with full
+fingerprints, a slot per group of copies). The self-check's sums run per gradient within a stage,
+per stage across stages. A NaN or inf leaves the copies unproven until a later call: the norm is
+not finite then anyway.
+
+Within a stage every rank meets a layout on the same call, so the proof runs before the norm's
+collective. Under pipeline stages a rank cannot know when another stage meets a new layout: every
+norm's all_reduce carries the question (and each stage's count of slots, ``_stage_slots``), and
+the proof runs after it, on every rank, when any stage asks (:func:`settle_stages`), each stage's
+groups in its region of the regions that call agreed.
+
+This module alone writes the layout's :class:`~credit.parallel._norm.plan.Proof` and keeps the
+stages' regions. Its host syncs: one read of the verdict per proof.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from credit.parallel._common.groups import moves_data
+from credit.parallel._norm import copies as _copies
+from credit.parallel._norm import failures as _failures
+from credit.parallel._norm import stage_slots as _stage_slots
+from credit.parallel._norm.plan import NormPlan
+from credit.parallel._norm.request import NormRequest
+from credit.parallel._norm.results import StageDecisions
+from credit.parallel._norm.stage_slots import Regions
+
+
+def prove_if_due(plan: NormPlan, request: NormRequest) -> None:
+    """Within a single stage, prove the layout on its first call, or on every call in the check
+    mode (the same on every rank: the ranks of a stage share the layout)."""
+    if plan.at.count == 1 and (not plan.proof.verified or request.check):
+        prove(plan, request)
+
+
+def settle_stages(
+    plan: NormPlan | None, request: NormRequest, decided: StageDecisions | None
+) -> None:
+    """Under pipeline stages, act on what the stages decided in the norm's all_reduce
+    (``Reduced.stages``): keep the regions every rank read; a layout that failed raises on every
+    rank; a stage that met a new layout has every rank prove it."""
+    if decided is None or plan is None:
+        return
+    assert request.pp_group is not None
+    _stage_slots.keep(request.pp_group, decided.regions)
+    if decided.layout_failed:
+        _failures.raise_layout_failure(plan, request.what)
+    if decided.unverified_anywhere:
+        prove(plan, request, decided.regions)
+
+
+def prove(plan: NormPlan, request: NormRequest, regions: Regions | None = None) -> None:
+    """Prove the layout in one float64 all_reduce, raising on every rank when it fails. Every
+    rank must call it together. The verdict is read on the host once.
+
+    Args:
+        plan: the layout's plan.
+        request: the call's arguments.
+        regions: under pipeline stages, every stage's slots of copies, as every rank agreed them.
+
+    Raises:
+        ValueError: the layout cannot be reduced, or copies differ (on every rank).
+        RuntimeError: the ranks' shards do not add up to whole gradients (on every rank).
+    """
+    copies, device = plan.copies, plan.stacking.device
+    rows, offset = _stage_slots.section(regions, plan.at.index, copies.slot_count)
+    sums, nonfinite = _copies.terms(copies, request.local, device, rows, offset)
+    # A stage whose ranks count other slots than its reference rank passed other layouts.
+    misfit = torch.full((1,), float(offset is None), dtype=torch.float64, device=device)
+    slot_count = plan.verification.numel() - 1
+    vector = torch.cat([plan.verification, nonfinite.reshape(1), misfit, sums.flatten()])
+    dist.all_reduce(vector, op=dist.ReduceOp.SUM)
+    if not moves_data():
+        plan.proof.verified = True
+        return
+    coverage, flags, summed = vector.split([slot_count, 3, sums.numel()])
+    verdict = torch.stack(
+        [
+            coverage.abs().ge(0.5).any() | (flags[0] > 0) | (flags[2] > 0),  # exact integers
+            flags[1] > 0,
+            _copies.differ(summed.view_as(sums), copies.limits if regions is None else None),
+        ]
+    )
+    broken, nonfinite_anywhere, differ = verdict.tolist()  # the proof's one read
+    if broken:
+        _failures.raise_layout_failure(plan, request.what)
+    if nonfinite_anywhere:
+        return
+    if differ:
+        _failures.raise_copies_differ(plan, request.local, request.what, request.label)
+    plan.proof.verified = True

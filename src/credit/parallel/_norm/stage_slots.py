@@ -1,0 +1,77 @@
+"""Where each pipeline stage's groups of copies sit in the norm's vector, the same on every rank.
+
+Every group of copies has a slot of its own in the norm's all_reduce (``_copies``). Under pipeline
+stages a rank knows its own stage's groups only, and another stage may meet a new layout on any
+call, seen by its own ranks alone; yet every rank must send a vector of the same length, or gloo
+aborts and NCCL hangs. So every rank keeps, per pipeline group, a region of slots per stage
+(:class:`Regions`), and the regions are the same on every rank by construction: every rank starts
+from empty regions and changes them only from numbers that every rank reads from the same
+all_reduce (each stage's slot count, which every norm's all_reduce under stages carries), by the
+same rule. A region only grows, to the largest count its stage has sent. A stage whose layout fits
+its region writes its groups' sums there; one that does not yet fit (a layout with more groups
+than any of its stage before it) writes zeros, and asks for the proof that every rank then joins,
+with the regions grown by that very call (``_norm_proof.settle_stages``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.distributed import ProcessGroup
+
+from credit.parallel._common.scoped import ScopedCache
+
+
+@dataclass(frozen=True)
+class Regions:
+    """How many slots of the copies' sums each stage has in the norm's vector.
+
+    Attributes:
+        sizes: the slots of each stage, in stage order.
+    """
+
+    sizes: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        """The slots of all the stages: the rows of the comparison every rank sends."""
+        return sum(self.sizes)
+
+    def offset(self, stage: int) -> int:
+        """Where the slots of ``stage`` start."""
+        return sum(self.sizes[:stage])
+
+    def fits(self, stage: int, count: int) -> bool:
+        """Whether ``count`` slots of ``stage`` fit in its region."""
+        return count <= self.sizes[stage]
+
+    def grown(self, counts: Sequence[float]) -> Regions:
+        """The regions grown to hold ``counts`` slots per stage (read from an all_reduce)."""
+        return Regions(
+            tuple(max(size, int(count)) for size, count in zip(self.sizes, counts, strict=True))
+        )
+
+
+def section(regions: Regions | None, stage: int, count: int) -> tuple[int, int | None]:
+    """The rows of the comparison a rank sends, and where its stage's ``count`` slots start among
+    them: its stage's slots alone within a single stage (``regions`` None); under pipeline stages
+    every stage's regions, with its own at its region's start where they fit (else None: it
+    sends zeros)."""
+    if regions is None:
+        return count, 0
+    return regions.total, regions.offset(stage) if regions.fits(stage, count) else None
+
+
+# Per pipeline group: as many as a process uses (one per model split, in practice).
+_agreed: ScopedCache[ProcessGroup, Regions] = ScopedCache(64)
+
+
+def agreed(pp_group: ProcessGroup, stage_count: int) -> Regions:
+    """The regions every rank holds for ``pp_group`` (empty before its first norm)."""
+    return _agreed.get(pp_group) or Regions((0,) * stage_count)
+
+
+def keep(pp_group: ProcessGroup, regions: Regions) -> None:
+    """Keep the regions that every rank read from the same all_reduce, for the next call."""
+    _agreed.put(pp_group, regions)
