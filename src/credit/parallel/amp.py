@@ -8,9 +8,9 @@ every rank checks its local shards, and the answer is reduced over the world: re
 that follows (``clip_grad_norm_``, ``total_grad_norm`` or ``grad_norm_report`` of this package)
 when it covers the optimizer's gradients, whose reduced values are non-finite on every rank as
 soon as one rank holds a non-finite value, or by one small all_reduce of its own when the scaler
-needs the answer and no norm gave it (see ``_found_inf``). Every rank then takes the same
+needs the answer and no norm gave it (see ``found_inf``). Every rank then takes the same
 decision and keeps the same scale; the norms return what they return without a scaler. The
-skipped steps are counted and reported by a helper the scaler holds (``_skipped_steps``).
+skipped steps are counted and reported by a helper the scaler holds (``skipped_steps``).
 
 It is a subclass, as torch's own ShardedGradScaler is: it overrides ``unscale_``, ``step``,
 ``update``, ``state_dict``, ``load_state_dict`` and the protected ``_check_inf_per_device`` and

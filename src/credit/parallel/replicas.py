@@ -7,10 +7,10 @@ a rank restored from the wrong checkpoint shard, a nondeterministic kernel or si
 corruption, and from then on every step is wrong on some ranks while the loss says nothing.
 
 Which ranks hold copies of what is read from the rank maps, as the norm reads them
-(``_ownership``): a DTensor's placements on its mesh, plain tensors as copies over the stage, and
+(``ownership``): a DTensor's placements on its mesh, plain tensors as copies over the stage, and
 what ``distinct_along`` declares rank-local; a Partial DTensor's local values are addends of a
 pending sum, not copies. Each rank digests the local tensors that have copies elsewhere
-(``_digests``: four 64-bit lanes ``D`` of their raw bits, on their device). In every group of ``c``
+(``digests``: four 64-bit lanes ``D`` of their raw bits, on their device). In every group of ``c``
 copies one member is the reference (the copy in the stage's lowest rank's mesh copy, at coordinate
 0 of its Replicate dims). Each other member ``i`` sends ``-u_i (D_i + p)`` and the reference
 ``(U - u_ref)(D_ref + p)``, ``U`` the sum of every member's weight, so the group's sum is

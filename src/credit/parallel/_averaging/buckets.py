@@ -26,7 +26,7 @@ same memory at once.
 
 Ranks must issue the same collectives. The first call for each layout (the shapes, dtypes and the
 path each tensor takes) and group verifies it across the group in one small all_reduce (see
-``_layout_check``) and raises on every rank when the ranks differ; later calls for that layout
+``layout_check``) and raises on every rank when the ranks differ; later calls for that layout
 issue only the data collectives.
 """
 

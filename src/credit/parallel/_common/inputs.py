@@ -108,7 +108,7 @@ def grads_refusal(grads: list[Tensor], argument: str) -> tuple[type[Exception], 
     Reads a few attributes of each tensor, a DTensor's from its local shard (the same values,
     read several times faster): this runs on every call, over thousands of grads. What it refuses
     may differ across ranks (one rank's gradient left on the meta device): the check mode hands
-    it to the other ranks (``_layout_check.refuse_on_every_rank``).
+    it to the other ranks (``layout_check.refuse_on_every_rank``).
     """
     for index, grad in enumerate(map(local_tensor, grads)):
         if grad.layout != torch.strided:

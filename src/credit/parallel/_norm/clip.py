@@ -2,7 +2,7 @@
 
 Shared by ``clip_grad_norm_`` and ``clip_grads_with_norm_``: ``min(max_norm / (total + 1e-6), 1)``
 with torch's bits, multiplied in torch's (device, dtype) groups; the listeners
-(``_norm_hooks``) learn of the coefficient.
+(``hooks``) learn of the coefficient.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def clip_coefficient(max_norm: float | Tensor, total: Tensor) -> Tensor:
     torch takes ``float(max_norm)``, and ``float / tensor`` is ``tensor.reciprocal() * float``,
     the float rounded to the operation's math dtype (float64 for float64, else float32) and the
     product rounded to the tensor's dtype. A tensor ``max_norm`` (0-dim, see
-    ``_inputs.clip_bound``) enters the same product as its second operand, converted to the
+    ``inputs.clip_bound``) enters the same product as its second operand, converted to the
     math dtype by the kernel, so it is never read on the host, and a CPU one is never copied to
     the device: a 0-dim CPU tensor is a scalar operand of a CUDA kernel, read at launch as
     torch's float is. The reciprocal is made 1-element so that, in type promotion, the 0-dim

@@ -4,20 +4,20 @@ Each kind sends a vector of its own, because bit parity with torch depends on it
 moves gloo's chunking, and with it the bits of the others):
 
 - shards within one stage (:func:`_shards`): each contribution weighted by ``1 / copies`` of its
-  shard (``_ownership``), the all_reduce completes the vector of per-gradient p-th powers (MAX for
+  shard (``ownership``), the all_reduce completes the vector of per-gradient p-th powers (MAX for
   inf) and the norm of that vector is the total: torch's operations in torch's order, so a layout
   without copies (FSDP2 over the whole world) gives torch's bits. Where shards have copies, the
-  sum runs in float64 and carries the comparison of the copies' local norms (``_copies``);
+  sum runs in float64 and carries the comparison of the copies' local norms (``copies``);
 - plain replicas (:func:`_replicas`, DDP): the reference copy's per-gradient norms beside the
   comparison, so every rank returns the same number, torch's bits where the copies are
   bit-identical;
 - pipeline stages (:func:`_stages`): one float64 number per segment, the comparison of every
-  stage's groups of copies (each stage in its region, ``_stage_slots``), and what the stages
+  stage's groups of copies (each stage in its region, ``stage_slots``), and what the stages
   decide together, read on the host once per call. A stage of plain replicas sends its
   reference copy's norms, as without stages.
 
 Nothing is read on a GPU except under pipeline stages, and nothing is copied to it. Copies that
-differ make the total NaN on every rank, never a number; the verdict (``_norm_verdict``) raises.
+differ make the total NaN on every rank, never a number; the verdict (``verdict``) raises.
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ def reduce(
     rank's tensors alone (no collective), as torch computes it without a process group.
 
     Args:
-        norms: this rank's local norms (``_local_norms.norms_of``).
+        norms: this rank's local norms (``local_norms.norms_of``).
         request: the call's arguments.
         plan: the layout's plan; None for a norm on one rank.
         segment_count: under pipeline stages, the number of segments, the same on every rank.
         unanswered: under pipeline stages, how many of the listeners' questions this rank's
-            gradients leave unanswered (``_norm_hooks.unanswered``).
+            gradients leave unanswered (``hooks.unanswered``).
     """
     stacked = norms.stacked
     if plan is None:
@@ -122,7 +122,7 @@ def _summed_and_compared(
     values: Tensor, stacked: Tensor | None, plan: NormPlan, regions: Regions | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``values`` summed over the world in float64 beside the comparison of the copies' local
-    norms ``stacked`` (``_copies``), in one all_reduce: the sums, the comparison's sums, and
+    norms ``stacked`` (``copies``), in one all_reduce: the sums, the comparison's sums, and
     whether the copies differed beyond their tolerance (a boolean scalar on the device; False on
     the fake backend, which moves no data). Under pipeline stages (``regions``, as every rank
     agreed them) the comparison holds every stage's slots, this stage's in its region; zeros
@@ -216,7 +216,7 @@ def _stages(
     call, seen only by their own ranks. The result's dtype (host metadata, the promotion of the
     stages' votes) must be the same on every rank; a stage meeting a layout for the first time, or
     one whose groups of copies do not fit its region yet, makes every rank prove it together
-    (``_norm_proof.settle_stages``), each stage's region grown to the slots it counts; the
+    (``proof.settle_stages``), each stage's region grown to the slots it counts; the
     listeners answer only if no rank left a question unanswered, which decides whether a scaler
     issues a collective of its own later.
     """

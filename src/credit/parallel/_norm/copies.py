@@ -1,7 +1,7 @@
 """Proof by value that the ranks the rank maps call copies of a shard hold the same values.
 
 The norm weights each shard by one over its number of copies, read from rank maps
-(``_ownership``). A rank map cannot tell a replica from a rank that holds other values in the same
+(``ownership``). A rank map cannot tell a replica from a rank that holds other values in the same
 place: experts kept per expert-parallel rank, pipeline stages passed without ``pp_group``, ranks
 that train independent models. Averaged as copies, their values would give a wrong norm, the
 same on every rank. So the first call for a layout (and every call in check mode) compares the
@@ -14,7 +14,7 @@ Each rank takes a fingerprint of each local shard ``x`` (in float64): its L2 nor
 fingerprints. Shards whose values differ by ``d`` (in L2) have projections that differ by about
 ``d`` each, whatever their norms: a random projection keeps distances.
 
-Each group of ``c`` copies has a slot of its own (``_ownership.copy_slot``), where each member
+Each group of ``c`` copies has a slot of its own (``ownership.copy_slot``), where each member
 adds ``f`` and ``f**2`` per fingerprint column. From the sums, every rank computes the spread
 ``sqrt(sum (f - mean f)**2) = sqrt(S2 - S1**2 / c)`` of each column and compares it with ``tau``
 times the copies' mean norm (:func:`_grouped_differ`). One copy that differs from the others by
@@ -25,7 +25,7 @@ Within a stage every rank knows each slot's ``c`` and ``tau`` (the plan keeps th
 pipeline stages a rank knows its own stage's slots only, so the limits travel in the sums: each
 member also adds 1 and its ``tau``, and every rank reads ``c`` and ``tau`` of every slot of every
 stage from the reduced vector (a slot no rank wrote is empty and passes). Each stage writes into a
-region of its own (``_stage_slots``); the test is the same, slot by slot.
+region of its own (``stage_slots``); the test is the same, slot by slot.
 
 Tolerance ``tau = max(2**-16, 8 eps)`` of the gradient's dtype (float32 and float64: 1.5e-5;
 float16: 7.8e-3; bfloat16: 6.3e-2). Copies reduced by an all_reduce are bit-identical; copies
@@ -231,7 +231,7 @@ def terms_of(plan: Comparison, prints: Tensor, rows: int, offset: int | None) ->
     Args:
         plan: the layout's comparison.
         prints: the fingerprints.
-        rows: the slots of the whole comparison (``_stage_slots.section``).
+        rows: the slots of the whole comparison (``stage_slots.section``).
         offset: where this stage's slots start among them; None: nowhere, the addends are
             zeros.
     """

@@ -7,7 +7,7 @@ only) and raises the same error, naming the gradient, the ranks and the likely f
 - :func:`raise_layout_failure`: a layout that cannot be reduced, or shards that do not add up to
   whole gradients;
 - :func:`raise_copies_differ`: ranks taken for copies of a shard that hold different values,
-  described from each copy's fingerprint (``_copies.fingerprints``).
+  described from each copy's fingerprint (``copies.fingerprints``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A norm reduces its gradients over the world in one collective, and a clip then scales them. Other
 state of a training step can ride on that work instead of paying for collectives or passes of its
-own: the GradScaler's non-finite flags (``_found_inf``) read their answers from a norm's reduced
+own: the GradScaler's non-finite flags (``found_inf``) read their answers from a norm's reduced
 values and learn which gradients a clip has spoiled. The dependency runs one way: the norm and the
 clip know this protocol only, and whoever needs them attaches a listener here.
 

@@ -1,6 +1,6 @@
 """The norm's fourth step: this rank's norm of each local tensor, torch's kernels in torch's order.
 
-Partial gradients (sequence parallelism) are completed first (``_partial``). The norms are
+Partial gradients (sequence parallelism) are completed first (``partial``). The norms are
 stacked in torch's (device, dtype) order (``stacking.Stacking``), so that a layout without copies
 gives torch's bits.
 """

@@ -18,32 +18,29 @@ from credit.parallel._common.ownership import Holding
 _REDUCE_OPS = ("sum", "avg")
 
 
-def unsupported(grads_held: list[Holding]) -> str | None:
-    """Why a Partial gradient cannot be completed here, naming it, or None."""
-    for index, held in enumerate(grads_held):
-        for _, reduce_op in held.partial_dims:
-            if reduce_op not in _REDUCE_OPS:
-                return (
-                    f"grads[{index}] is a {held.description} whose values reduce by "
-                    f"{reduce_op!r}; only Partial('sum') and Partial('avg') gradients can be "
-                    "normed: redistribute it to Replicate first"
-                )
-    return None
-
-
-def batches(held: list[Holding]) -> list[list[int]]:
+def batches(held: list[Holding]) -> tuple[list[list[int]], str | None]:
     """The Partial gradients completed together, by input index: those that reduce over the same
-    mesh dims, with the same dtype and device, in order of first appearance (empty without any).
+    mesh dims, with the same dtype and device, in order of first appearance (empty without any);
+    and why one of them cannot be completed here, naming it, or None.
 
     Every rank of a reduction group holds the same Partial gradients (they belong to the same
     parameters), so their all_reduces match.
     """
     found: dict[tuple, list[int]] = {}
+    refusal = None
     for index, holding in enumerate(held):
-        if holding.partial_dims:
-            key = (id(holding.mesh), holding.partial_dims, holding.dtype, holding.device)
-            found.setdefault(key, []).append(index)
-    return list(found.values())
+        if not holding.partial_dims:
+            continue
+        key = (id(holding.mesh), holding.partial_dims, holding.dtype, holding.device)
+        found.setdefault(key, []).append(index)
+        unknown = [op for _, op in holding.partial_dims if op not in _REDUCE_OPS]
+        if unknown and refusal is None:
+            refusal = (
+                f"grads[{index}] is a {holding.description} whose values reduce by "
+                f"{unknown[0]!r}; only Partial('sum') and Partial('avg') gradients can be "
+                "normed: redistribute it to Replicate first"
+            )
+    return list(found.values()), refusal
 
 
 def complete(local: list[Tensor], held: list[Holding], batched: list[list[int]]) -> list[Tensor]:

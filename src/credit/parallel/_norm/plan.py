@@ -8,16 +8,16 @@ and kept:
   tensors into it (a report's segments, the gradients of a GradScaler's flag), each built on the
   device the first time a caller asks for it;
 - :class:`NormPlan`, for a norm over ranks: what this rank holds of each gradient and how many copies
-  of each shard the world holds (``_ownership``), as weights in stacking order on the device in
+  of each shard the world holds (``ownership``), as weights in stacking order on the device in
   every dtype a call multiplies them in; the kind of layout; the gradients' dtype; the Partial
-  gradients completed together (``_partial``); how the copies are compared (``_copies.Comparison``);
+  gradients completed together (``partial``); how the copies are compared (``copies.Comparison``);
   the constants a pipeline norm's vector carries; and the layout's :class:`Proof`, which the
-  proof step (``_norm_proof``) alone writes.
+  proof step (``proof``) alone writes.
 
 Host syncs of a layout's first call, and only of it: one blocking host-to-device copy of the plan's
 constants, and one of the comparison's where a shard has copies. Under pipeline stages the first
 call with a pipeline group also learns the lowest rank of its stage, in one all_reduce that every
-rank joins (``_ownership.stage_ranks``). An index tensor costs one copy the first time a caller
+rank joins (``ownership.stage_ranks``). An index tensor costs one copy the first time a caller
 asks for it (a report's segments, a scaler's set of gradients).
 """
 
@@ -55,7 +55,7 @@ _WEIGHT_DTYPES = (torch.float32, torch.float64)
 
 
 class Kind(enum.Enum):
-    """The kinds of layout, each reduced by a collective of its own (``_norm_collectives``)."""
+    """The kinds of layout, each reduced by a collective of its own (``collective``)."""
 
     SHARDS = "shards"  # one stage, DTensors or distinct gradients: the per-gradient vector
     REPLICAS = "replicas"  # one stage of plain replicas (DDP): the reference copy's norms
@@ -64,7 +64,7 @@ class Kind(enum.Enum):
 
 @dataclass(eq=False)
 class Proof:
-    """What the layout's proof found on this rank; written by ``_norm_proof`` alone.
+    """What the layout's proof found on this rank; written by ``proof`` alone.
 
     Attributes:
         verified: the layout passed its proof.
@@ -87,8 +87,8 @@ class NormPlan:
         kind: how the layout is reduced.
         grads_dtype: the promotion of the gradients' dtypes, as torch's stacked norm has it.
         error: why the layout cannot be reduced (raised on every rank), or None.
-        coverage: this rank's terms of the self-check, per gradient (``_ownership.coverage``).
-        partial: the Partial gradients completed together (``_partial.batches``).
+        coverage: this rank's terms of the self-check, per gradient (``ownership.coverage``).
+        partial: the Partial gradients completed together (``partial.batches``).
         weights: ``1 / copies`` per stacked norm, float64 on the device; None when every weight
             is 1. Under pipeline stages, a stage of plain replicas weights its lowest rank's
             copy 1 and the others 0: the reference copy's norm, as without stages.
@@ -100,8 +100,8 @@ class NormPlan:
         slot_counts: under pipeline stages, one number per stage: this stage's count of slots of
             copies on its reference rank (``Stages.is_reference``), zeros elsewhere; carried by
             every norm's all_reduce, so that every rank learns every stage's count
-            (``_stage_slots``).
-        copies: how this rank's shards enter the comparison of copies (``_copies``).
+            (``stage_slots``).
+        copies: how this rank's shards enter the comparison of copies (``copies``).
         verification: the self-check's terms (per gradient within a stage, per stage across
             stages) and the error flag, sent by the proof.
         proof: what the layout's proof found (see :class:`Proof`).
@@ -178,7 +178,7 @@ def _plan_of(
         at: the pipeline stages.
         lowest: the lowest rank of this rank's stage.
         distinct: per gradient, the ranks along which its copies differ, or None for none.
-        device: where the plan's tensors live (``_groups.collective_device``).
+        device: where the plan's tensors live (``groups.collective_device``).
     """
     key = (tuple(map(id, held)), at, lowest, tuple(distinct) if distinct is not None else None)
     plan = _plans.get(key)
@@ -200,7 +200,8 @@ def _plan(
     grads_dtype = _promoted({h.dtype for h in held})
     stacking = stacking_on(local, device)
     counts = _ownership.counts(held, at, distinct, stacking.stacked)
-    error = counts.error or _partial.unsupported(held)
+    partial, refusal = _partial.batches(held)
+    error = counts.error or refusal
     stacked_weights = counts.weights
     if at.count > 1 and _plain_replicas(held, declared):  # the reference copy's norm
         stacked_weights = [float(dist.get_rank() == lowest)] * len(stacked_weights)
@@ -218,7 +219,7 @@ def _plan(
         grads_dtype=grads_dtype,
         error=error,
         coverage=counts.coverage,
-        partial=_partial.batches(held),
+        partial=partial,
         weights=None if unweighted else weights,
         weights_in={} if unweighted else {d: weights.to(d) for d in _WEIGHT_DTYPES},
         votes=votes,
@@ -257,7 +258,7 @@ def _comparison(
     slots: _copies.Slots,
     device: torch.device,
 ) -> _copies.Comparison:
-    """How the layout's copies are compared (``_copies``); nothing is compared where the layout
+    """How the layout's copies are compared (``copies``); nothing is compared where the layout
     cannot be reduced (its ranks send zeros beside their flag)."""
     groups: list[CopyGroup | None] = [None] * len(held)
     if error is None:

@@ -1,15 +1,15 @@
 """The norm's third step: the layout's proof, on its first call (and every call in check mode).
 
 Two things are proven, in one float64 all_reduce: the self-check (every rank of a stage holds a
-shard of every gradient on its own copy of the mesh: the terms of ``_ownership.coverage`` sum to
-zero), and that the ranks taken for copies of a shard hold the same values (``_copies``, with full
+shard of every gradient on its own copy of the mesh: the terms of ``ownership.coverage`` sum to
+zero), and that the ranks taken for copies of a shard hold the same values (``copies``, with full
 fingerprints, a slot per group of copies). The self-check's sums run per gradient within a stage,
 per stage across stages. A NaN or inf leaves the copies unproven until a later call: the norm is
 not finite then anyway.
 
 Within a stage every rank meets a layout on the same call, so the proof runs before the norm's
 collective. Under pipeline stages a rank cannot know when another stage meets a new layout: every
-norm's all_reduce carries the question (and each stage's count of slots, ``_stage_slots``), and
+norm's all_reduce carries the question (and each stage's count of slots, ``stage_slots``), and
 the proof runs after it, on every rank, when any stage asks (:func:`settle_stages`), each stage's
 groups in its region of the regions that call agreed.
 

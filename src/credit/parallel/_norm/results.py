@@ -21,7 +21,7 @@ class StageDecisions:
             to whole gradients.
         unverified_anywhere: some stage met its layout for the first time (or checks it).
         copies_differ: copies differed on some stage while the norm is finite.
-        regions: every stage's slots of copies, grown by this call's counts (``_stage_slots``).
+        regions: every stage's slots of copies, grown by this call's counts (``stage_slots``).
     """
 
     layout_failed: bool
@@ -45,7 +45,7 @@ class Reduced:
         local_norms: this rank's norm of each local tensor (before any reduction), in stacking
             order; None without any.
         answers_world: whether listeners may read the world's answers from it (see
-            ``_norm_hooks.Normed``).
+            ``hooks.Normed``).
         host: under pipeline stages, ``entries``, the total (before its cast to the result
             dtype) and ``present``, as read on the host with the stages' decisions.
         plan: the layout's plan, for a norm over ranks.
@@ -68,7 +68,7 @@ class Reduced:
     stages: StageDecisions | None = None
 
     def normed(self) -> Normed:
-        """What the listeners (``_norm_hooks``) read of this norm."""
+        """What the listeners (``hooks``) read of this norm."""
         per_gradient = self.answers_world and self.present is None and self.stacking.stacked
         return Normed(
             local=self.local,

@@ -1,6 +1,6 @@
 """Where each pipeline stage's groups of copies sit in the norm's vector, the same on every rank.
 
-Every group of copies has a slot of its own in the norm's all_reduce (``_copies``). Under pipeline
+Every group of copies has a slot of its own in the norm's all_reduce (``copies``). Under pipeline
 stages a rank knows its own stage's groups only, and another stage may meet a new layout on any
 call, seen by its own ranks alone; yet every rank must send a vector of the same length, or gloo
 aborts and NCCL hangs. So every rank keeps, per pipeline group, a region of slots per stage
@@ -10,7 +10,7 @@ all_reduce (each stage's slot count, which every norm's all_reduce under stages 
 same rule. A region only grows, to the largest count its stage has sent. A stage whose layout fits
 its region writes its groups' sums there; one that does not yet fit (a layout with more groups
 than any of its stage before it) writes zeros, and asks for the proof that every rank then joins,
-with the regions grown by that very call (``_norm_proof.settle_stages``).
+with the regions grown by that very call (``proof.settle_stages``).
 """
 
 from __future__ import annotations

@@ -4,15 +4,15 @@ The one norm behind ``total_grad_norm``, ``get_total_norm``, ``clip_grad_norm_``
 ``grad_norm_report``, as steps in order, each in a module of its own (the contributor's page,
 ``docs/design.rst``, draws them):
 
-1. request (``_inputs``): the arguments, checked once, before any collective;
-2. plan (``_norm_plan``): what the layout holds, built on its first call and kept;
-3. proof (``_norm_proof``): the layout proven on its first call, within a stage before the norm;
-4. local norms (``_local_norms``): torch's kernels in torch's order, after completing Partial
+1. request (``inputs``): the arguments, checked once, before any collective;
+2. plan (``plan``): what the layout holds, built on its first call and kept;
+3. proof (``proof``): the layout proven on its first call, within a stage before the norm;
+4. local norms (``local_norms``): torch's kernels in torch's order, after completing Partial
    gradients;
-5. the collective (``_norm_collectives``): one all_reduce, of a kind per layout;
-6. verdict (``_norm_verdict``): copies that differ, raised the same on every rank where reading is
-   free; the listeners (``_norm_hooks``: the GradScaler's flags) then read the result, which they
-   never change; then ``error_if_nonfinite``'s read. A clip then scales the gradients (``_clip``).
+5. the collective (``collective``): one all_reduce, of a kind per layout;
+6. verdict (``verdict``): copies that differ, raised the same on every rank where reading is
+   free; the listeners (``hooks``: the GradScaler's flags) then read the result, which they
+   never change; then ``error_if_nonfinite``'s read. A clip then scales the gradients (``clip``).
 
 Every rank issues the same collectives, decided by the world, ``pp_group`` and the layout that all
 ranks of a stage share, never by what one rank happens to hold.

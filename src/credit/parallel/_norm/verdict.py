@@ -2,7 +2,7 @@
 
 Copies that differ leave the total NaN on every rank, and a boolean beside it on the device
 (``Reduced.differ``). It is read, and the same ValueError raised on every rank before any gradient
-changes (``_norm_failures``), where the read costs nothing more: at once where the collective ran
+changes (``failures``), where the read costs nothing more: at once where the collective ran
 on the CPU, in the pipeline stages' one read, at ``error_if_nonfinite``'s read, and at a report's
 read. On a GPU without those, nothing is read: the NaN total answers.
 """

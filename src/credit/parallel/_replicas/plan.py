@@ -5,13 +5,13 @@ group of copies, the pipeline stages, ``distinct_along``, the tensors' names, ki
 dtypes): built on the layout's first call, complete and frozen when built, and kept, so that a
 later call only digests its tensors and adds them to a clone of the plan's constant.
 
-- what the rank maps say (``_ownership``): the ranks of the stage, each tensor's group of copies,
+- what the rank maps say (``ownership``): the ranks of the stage, each tensor's group of copies,
   the tensors compared (those with copies elsewhere, no Partial dims), and why a layout cannot be
   compared, which a failed call names;
-- each compared copy's weights per lane (``_replica_weights``), on the device;
+- each compared copy's weights per lane (``weights``), on the device;
 - the constant part of the vector: the presence terms of every group, the self-check of the
   tensors every rank of the stage holds, and the error flag;
-- the digests' plan of the compared tensors (``_digests``).
+- the digests' plan of the compared tensors (``digests``).
 
 Host syncs of a layout's first call, and only of it: under ``pp_group``, learning the ranks of
 the stage (one all_reduce, once per pipeline group), and one host-to-device copy each of the

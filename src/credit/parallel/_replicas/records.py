@@ -3,9 +3,9 @@
 Plain data, passed down the check's steps and gathered across ranks on a failure: an
 :class:`Entry` per tensor the check looks at; :class:`Held`, what this rank holds of them; a
 :class:`TensorRecord` per tensor and rank, and an :class:`Owner` per optimizer parameter, which every
-rank gathers from every other when the proof fails (``_replica_diagnosis``); a :class:`Slot` per
+rank gathers from every other when the proof fails (``diagnosis``); a :class:`Slot` per
 group of copies that differ, with its public :class:`Mismatch`; and the :class:`Failure` that a
-repair (``_replica_repair``) or an error message (``_replica_messages``) is made from.
+repair (``repair``) or an error message (``messages``) is made from.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ checked on every rank before that all_reduce, which carries each rank's failure 
 written where one is set. Copies are read and written as their elements in row-major order, under
 any strides; a copy that shares memory with another tensor of its rank is written only where the
 write leaves that tensor with the bits it should hold (its own, or its source's), as every rank's
-records prove (``_replica_sharing``).
+records prove (``sharing``).
 """
 
 from __future__ import annotations

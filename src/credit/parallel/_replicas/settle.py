@@ -1,9 +1,9 @@
 """The replica check's failed proof, settled the same way on every rank.
 
 Only a call whose sums did not vanish comes here: every rank gathers what every other holds and
-diagnoses the same groups of copies that differ (``_replica_diagnosis``); then, the same on every
-rank, the failure is told (``_replica_messages``), or the copies are repaired from their sources
-(``_replica_repair``), all or nothing.
+diagnoses the same groups of copies that differ (``diagnosis``); then, the same on every
+rank, the failure is told (``messages``), or the copies are repaired from their sources
+(``repair``), all or nothing.
 """
 
 from __future__ import annotations

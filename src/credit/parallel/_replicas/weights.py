@@ -86,7 +86,7 @@ def weights(members: Sequence[Member], stage: int) -> tuple[Tensor, list[int]]:
 
 def coverage_term(counts: Sequence[tuple[str, int]], stage: int) -> int:
     """This rank's term of the self-check, from each tensor's name and its count
-    (``_ownership.coverage``): the counts weighted by name, so that they cannot cancel across
+    (``ownership.coverage``): the counts weighted by name, so that they cannot cancel across
     tensors."""
     return sum(
         _digests.signed(_digests.odd_weight("coverage", stage, name) * count)

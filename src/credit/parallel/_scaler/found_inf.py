@@ -3,7 +3,7 @@ collective of its own.
 
 At ``unscale_`` a :class:`~credit.parallel.amp.GradScaler` leaves one :class:`Flag` per optimizer:
 the local gradients it checked and this rank's answer. Its :class:`StepFlags` listen to the norms
-and clips of the package (``_norm_hooks``) while a flag is live:
+and clips of the package (``hooks``) while a flag is live:
 
 - A norm over the world answers a flag when its gradients hold every gradient of the flag on this
   rank (found by identity, or by memory for a detached view): the flag is up when the world's norm
@@ -80,7 +80,7 @@ class Flag:
 class StepFlags:
     """One scaler's flags, by optimizer, answered by the norms while any is live.
 
-    It attaches itself to the norms (``_norm_hooks``) when a flag is expected and detaches when
+    It attaches itself to the norms (``hooks``) when a flag is expected and detaches when
     the flags are cleared, so norms outside a scaler's step pay nothing, and two scalers never
     read or answer each other's flags.
     """
