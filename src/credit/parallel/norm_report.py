@@ -101,14 +101,14 @@ def grad_norm_report(
         {'embed': 0.31, 'blocks.0': 1.27, 'blocks.1': 0.88, 'head': 0.05, 'total': 1.58}
         >>> logger.info("grad norms %s", report)
     """
-    order = _norm.checked_norm_type(norm_type)
-    if not order > 0:
-        raise ValueError(f"norm_type must be positive or inf, got {order}")
+    p = _norm.checked_norm_type(norm_type)
+    if not p > 0:
+        raise ValueError(f"norm_type must be positive or inf, got {p}")
     named = _named_grads(named_parameters)
     request = _norm.norm_request(
         [grad for _, grad, _ in named],
         "grad_norm_report",
-        order,
+        p,
         False,
         foreach,
         pp_group,
@@ -151,11 +151,11 @@ def _read(
 
 
 def _group_norms(
-    reduced: _norm.Reduced, segment_of: list[int], count: int, order: float
+    reduced: _norm.Reduced, segment_of: list[int], count: int, norm_type: float
 ) -> tuple[Tensor, list[bool]]:
     """Each group's norm from the per-gradient norms, and whether the group has gradients.
 
-    The positions of each group's norms are index tensors kept with the layout's order, built on
+    The positions of each group's norms are index tensors kept with the layout's stacking, built on
     the device the first time this grouping is asked for.
     """
     entries = reduced.entries
@@ -165,7 +165,7 @@ def _group_norms(
     held = [positions for positions in members if positions]
     indices = iter(reduced.stacking.indices(("groups", tuple(segment_of)), lambda: held))
     norms = [
-        torch.linalg.vector_norm(entries.index_select(0, next(indices)), order)
+        torch.linalg.vector_norm(entries.index_select(0, next(indices)), norm_type)
         if positions
         else entries.new_zeros(())
         for positions in members
