@@ -15,9 +15,14 @@ DEV := $(VENV)/.installed-dev
 TORCH_FLOOR := 2.10.0
 TORCH_NEWEST := 2.15.0
 
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes torch from torch's own index (its CPU
+# build); by default it comes from PyPI (on Linux, the CUDA build).
+TORCH_INDEX ?=
+
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0 numpy
+	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
+	$(PY) -m pip install --quiet numpy
 	$(PY) -m pip install --quiet -e .
 	touch $(BASE)
 
@@ -75,7 +80,8 @@ test-integrations: $(INTEGRATIONS)/.installed
 
 $(INTEGRATIONS)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(INTEGRATIONS)
-	$(INTEGRATIONS)/bin/python -m pip install --quiet torch==2.13.0 numpy
+	$(INTEGRATIONS)/bin/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
+	$(INTEGRATIONS)/bin/python -m pip install --quiet numpy
 	$(INTEGRATIONS)/bin/python -m pip install --quiet torch==2.13.0 -e '.[integration-tests]'
 	touch $@
 

@@ -1,8 +1,9 @@
 """accelerate 1.15 on 4 CPU ranks: the hand-built route (a (dp, tp) mesh, TP and FSDP2 applied by
 hand, only the optimizer prepared), ``Accelerator.clip_grad_norm_`` beside this package's clip
-through ``credit.parallel.integrations.accelerate.clip_grad_norm_``, and this package's
-GradScaler as ``accelerator.scaler`` (scaling, or skipping non-finite bf16 steps), stepped by
-accelerate's prepared optimizer.
+through ``credit.parallel.integrations.accelerate.clip_grad_norm_``, this package's GradScaler
+as ``accelerator.scaler`` (scaling, or skipping non-finite bf16 steps), stepped by accelerate's
+prepared optimizer, the refusal of parameters no prepared optimizer holds while a scaler is set,
+and the norm handed to ``accelerator.log`` (a tracker of accelerate's kind that records it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from harness import (
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from credit.parallel import collectives
 from credit.parallel.amp import GradScaler
 from credit.parallel.integrations.accelerate import clip_grad_norm_
 from credit.parallel.replicas import verify_replicas
@@ -45,13 +48,15 @@ PLANTED_STEP = 1
 PLANTED_RANK = 3
 
 
-def _setup(mixed_precision: str = "no") -> tuple[Any, Net, int]:
+def _setup(mixed_precision: str = "no", **accelerator_kwargs: Any) -> tuple[Any, Net, int]:
     """The recipe: a hand-built (dp, tp) mesh, TP and FSDP2 by hand, only the optimizer to be
     prepared. The accelerator, the model and this rank's dp rank."""
     start_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     net = parallelize(Net(), mesh["dp"], mesh["tp"])
-    accelerator = accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision)
+    accelerator = accelerate.Accelerator(
+        cpu=True, mixed_precision=mixed_precision, **accelerator_kwargs
+    )
     return accelerator, net, mesh["dp"].get_local_rank()
 
 
@@ -233,3 +238,177 @@ def test_accelerate_clip_called_again_after_copies_differed_unscales_once():
     norm = float.fromhex(same_on_every_rank([run["norm"] for run in runs]))
     assert_norm(norm, runs[0]["oracle"])  # the gradients unscaled once: the scale divided out
     assert not any(run["skipped"] for run in runs)
+
+
+# --- a scaler set, the optimizer not prepared: refused before anything is touched ---------------
+
+FP16_SCALE = 2.0**16  # accelerate's fp16 scaler starts there, and so does ours
+
+
+def _grad_digest(net: Net) -> str:
+    return local_digest(p.grad for p in net.parameters() if p.grad is not None)
+
+
+def _unprepared() -> dict[str, Any]:
+    """The issue's case: accelerator.scaler set, the optimizer not passed through prepare, the
+    gradients scaled by accelerator.backward; the same with a scaler that only skips. Then the
+    optimizer prepared, and a parameter of no optimizer passed beside the model's. Then, mended,
+    the call of the issue in the same step."""
+    accelerator, net, dp_rank = _setup()
+    accelerator.scaler = GradScaler("cpu")
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    x, y = batches(1, dp_rank)[0]
+    accelerator.backward(F.mse_loss(net(x), y))
+    scaled = _grad_digest(net)
+    oracle = materialised_norm(net.parameters()) / FP16_SCALE
+    errors = [_clip_error(accelerator, net)]
+    scaling, accelerator.scaler = accelerator.scaler, GradScaler("cpu", scaling=False)
+    errors.append(_clip_error(accelerator, net))  # bf16's scaler: nothing scaled, none skipped
+    accelerator.scaler = scaling
+    prepared = accelerator.prepare(optimizer)
+    stray = nn.Parameter(torch.zeros(3))
+    stray.grad = torch.ones(3)
+    errors.append(_clip_error(accelerator, [*net.parameters(), stray]))
+    untouched = _grad_digest(net) == scaled
+    norm = clip_grad_norm_(accelerator, net, MAX_NORM)
+    clipped = materialised_norm(net.parameters())
+    prepared.step()
+    return {
+        "errors": errors,
+        "untouched": untouched,
+        "oracle": oracle,
+        "norm": bits(norm),
+        "clipped": clipped,
+        "skipped": prepared.step_was_skipped,
+    }
+
+
+def _clip_error(accelerator: Any, parameters: Any) -> str:
+    """The ValueError's message of the adapter's clip (AssertionError when it clips)."""
+    try:
+        clip_grad_norm_(accelerator, parameters, MAX_NORM)
+    except ValueError as error:
+        return str(error)
+    raise AssertionError("the clip did not raise")
+
+
+def test_accelerate_clip_refuses_parameters_no_prepared_optimizer_holds_while_a_scaler_is_set():
+    """Without the refusal the clip returns the scaled norm (65,536 times the real one) and clips
+    by it. Refused on every rank with the same message naming the parameters and both ways out,
+    no gradient modified; once the optimizer is prepared, the model's parameters clip to the
+    materialised norm of the unscaled gradients and the prepared optimizer steps."""
+    runs = run_ranks(_unprepared)
+    unprepared, skipping, stray = (
+        same_on_every_rank([run["errors"][i] for run in runs]) for i in range(3)
+    )
+    everything = "6 of the parameters to clip (norm.weight, norm.bias, fc1.weight and 3 more)"
+    assert everything in unprepared and everything in skipping
+    assert "1 of the parameters to clip (parameters[6])" in stray
+    for message in (unprepared, skipping, stray):
+        assert "accelerator.prepare" in message and "accelerator.scaler.unscale_" in message
+    assert "the scale times the real one" in unprepared and "the scale times" in stray
+    assert "skip no step of theirs that holds a NaN or inf" in skipping
+    assert all(run["untouched"] for run in runs)
+    oracle = same_on_every_rank([run["oracle"] for run in runs])
+    assert_norm(float.fromhex(same_on_every_rank([run["norm"] for run in runs])), oracle)
+    assert oracle > MAX_NORM
+    assert all(math.isclose(run["clipped"], MAX_NORM, rel_tol=1e-4) for run in runs)
+    assert not any(run["skipped"] for run in runs)
+
+
+# --- the norm handed to accelerator.log ---------------------------------------------------------
+
+# log_as per step; step 0 is the first call (which plans), and step 1 calls this package's clip
+# itself: the host reads the adapter adds are counted against its.
+LOG_AS = ("grad_norm", None, None, "train/grad_norm")
+BASELINE = 1
+
+
+class _Recorder(accelerate.tracking.GeneralTracker):
+    """A tracker that keeps what ``accelerator.log`` hands it."""
+
+    name = "recorder"
+    requires_logging_directory = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[dict[str, Any], int | None]] = []
+
+    @property
+    def tracker(self) -> list[tuple[dict[str, Any], int | None]]:
+        return self.logged
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        self.logged.append((dict(values), step))
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value by the host (``item()``, ``float()``) in its scope."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _logged() -> dict[str, Any]:
+    """A recording tracker passed as ``log_with`` on every rank (accelerate starts it on the main
+    process only), the norm logged on steps 0 and 3, not on step 2; the host reads of each
+    call counted; a ``log_step`` without ``log_as`` refused."""
+    recorder = _Recorder()
+    accelerator, net, dp_rank = _setup(log_with=[recorder])
+    accelerator.init_trackers("credit-parallel")
+    optimizer = accelerator.prepare(torch.optim.AdamW(net.parameters(), lr=1e-2))
+    steps = []
+    for step, (x, y) in enumerate(batches(len(LOG_AS), dp_rank)):
+        accelerator.backward(F.mse_loss(net(x), y))
+        log_as = LOG_AS[step]
+        with _HostReads() as reads:
+            if step == BASELINE:
+                norm = collectives.clip_grad_norm_(net, MAX_NORM)
+            else:
+                log_step = None if log_as is None else step
+                norm = clip_grad_norm_(accelerator, net, MAX_NORM, log_as=log_as, log_step=log_step)
+        steps.append({"norm": bits(norm), "reads": reads.count})
+        optimizer.step()
+        optimizer.zero_grad()
+    try:
+        clip_grad_norm_(accelerator, net, MAX_NORM, log_step=3)
+        refused = "no error"
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "steps": steps,
+        "trackers": len(accelerator.trackers),
+        "logged": [(values, step) for values, step in recorder.logged],
+        "refused": refused,
+    }
+
+
+def test_accelerate_clip_logs_the_norm_through_accelerator_log_on_request_only():
+    """The main process's tracker records the returned norm's bits under log_as, at log_step, on
+    the steps that ask. Against this package's clip alone, logging adds one host read on the
+    main process and none elsewhere, and with log_as None the adapter adds none."""
+    runs = run_ranks(_logged)
+    assert [run["trackers"] for run in runs] == [1, 0, 0, 0]
+    norms = [
+        float.fromhex(same_on_every_rank([run["steps"][step]["norm"] for run in runs]))
+        for step in range(len(LOG_AS))
+    ]
+    assert runs[0]["logged"] == [({"grad_norm": norms[0]}, 0), ({"train/grad_norm": norms[3]}, 3)]
+    assert not any(run["logged"] for run in runs[1:])
+    reads = [[run["steps"][step]["reads"] for step in range(len(LOG_AS))] for run in runs]
+    assert [r[2] - r[BASELINE] for r in reads] == [0, 0, 0, 0], reads  # not logged
+    assert [r[3] - r[BASELINE] for r in reads] == [1, 0, 0, 0], reads  # logged
+    refused = same_on_every_rank([run["refused"] for run in runs])
+    assert "log_step=3 was given without log_as" in refused

@@ -1,7 +1,8 @@
 """Lightning 2.6: ModelParallelStrategy (dp=2 x tp=2) on 4 CPU ranks, Lightning's own clip
 beside MeshSafeGradientClipping, in automatic and manual optimization, fp32, bf16-mixed and
 fp16 with this package's GradScaler as the precision plugin's scaler, and with rank-local
-experts declared to the mixin.
+experts declared to the mixin; the norm the mixin logs through ``self.log``, as the Trainer's
+metrics and a CSV logger hold it, and nothing logged once switched off.
 
 Lightning runs its own loop: the Trainer in each rank (torch's elastic launcher starts them, as
 torchrun would), ``configure_model`` applying TP and FSDP2 on ``self.device_mesh``, its hooks
@@ -11,8 +12,10 @@ the clip) recording what the tests compare.
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,6 +43,7 @@ from harness import (
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from credit.parallel.amp import GradScaler
@@ -54,6 +58,10 @@ MAX_NORM = 0.05
 CLIP_VALUE = 0.01  # below every step's largest gradient element
 PLANTED_STEP = 1  # fp16: rank 3 plants an inf in its TP shard after this step's backward
 PLANTED_RANK = 3
+# The name the mixin logs the norm under: Lightning's grad_norm utility's name for the total.
+LOGGED = "grad_2.0_norm_total"
+# Host reads of a tensor's value: item(), float(), bool(), equal().
+READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default}
 
 
 class Regression(L.LightningModule):
@@ -105,9 +113,7 @@ class Clipped(MeshSafeGradientClipping, Regression):
         self.records[-1].update(norm=bits(self.last_grad_norm), clipped=self.oracle())
 
     def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
-        # The Integrations page's logging of the norm.
-        self.log("grad_norm", self.last_grad_norm)
-        self.records[-1].update(logged=bits(self.trainer.callback_metrics["grad_norm"]))
+        _record_logged(self)
 
 
 class ClippedByValue(MeshSafeGradientClipping, Regression):
@@ -180,6 +186,54 @@ class Manual(_ManualOptimization):
         )
         optimizer.step()
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
+        _record_logged(self)
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the host reads of tensor values (``item()``, ``float()``...) made while entered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.reads += func in READS
+        return func(*args, **(kwargs or {}))
+
+
+class Logged(Clipped):
+    """The mixin's logging, the norm on the progress bar too; the host reads of each call of
+    the mixin's clip_grad_norm_ (its clip, then its self.log) counted."""
+
+    grad_norm_prog_bar = True
+
+    def clip_grad_norm_(self, optimizer: Any, max_norm: Any, norm_type: float = 2.0) -> Tensor:
+        with _HostReads() as counted:
+            norm = super().clip_grad_norm_(optimizer, max_norm, norm_type)
+        self.records[-1]["reads"] = counted.reads
+        return norm
+
+
+class Unlogged(Logged):
+    """The same, with the mixin's logging switched off."""
+
+    log_grad_norm = False
+
+
+def _record_logged(module: Regression) -> None:
+    """What the Trainer holds of the logged norm after this step, on this rank, by kind of
+    metric (absent: None)."""
+    trainer = module.trainer
+    held = {
+        "logged": trainer.callback_metrics.get(LOGGED),
+        "to loggers": trainer.logged_metrics.get(LOGGED),
+        "progress bar": trainer.progress_bar_metrics.get(LOGGED),
+    }
+    module.records[-1].update(
+        {kind: value if value is None else bits(value) for kind, value in held.items()}
+    )
+
 
 def _record_scaler(module: Regression) -> None:
     """The step's outcome: whether the scaler skipped it, its scale, this rank's weights."""
@@ -223,7 +277,8 @@ class ManualPlanted(_ManualOptimization):
 
 
 def _fit(model: Regression, **trainer_args: Any) -> list[dict[str, Any]]:
-    """Lightning's fit of ``model`` on this rank, the Trainer built as a user builds it."""
+    """Lightning's fit of ``model`` on this rank, the Trainer built as a user builds it (no
+    logger unless ``trainer_args`` name one)."""
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     generator = torch.Generator().manual_seed(1234)
     data = TensorDataset(
@@ -236,11 +291,10 @@ def _fit(model: Regression, **trainer_args: Any) -> list[dict[str, Any]]:
             data_parallel_size=DP, tensor_parallel_size=TP
         ),
         max_steps=STEPS,
-        logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        **trainer_args,
+        **{"logger": False, **trainer_args},
     )
     trainer.fit(model, DataLoader(data, batch_size=4))
     return model.records
@@ -275,6 +329,20 @@ def _experts() -> list[dict[str, Any]]:
     return _fit(Experts(), gradient_clip_val=MAX_NORM)
 
 
+def _logged_to_csv(switched_on: bool, save_dir: str) -> tuple[list[dict[str, Any]], list[dict]]:
+    """A fit with Lightning's CSV logger, flushed at every step; this rank's records and the
+    rows the logger wrote (rank 0's file; none on the other ranks)."""
+    start_rank()
+    logger = L.pytorch.loggers.CSVLogger(save_dir, name="logs", version=0)
+    model = Logged() if switched_on else Unlogged()
+    records = _fit(model, gradient_clip_val=MAX_NORM, logger=logger, log_every_n_steps=1)
+    path = Path(logger.log_dir) / "metrics.csv"
+    if dist.get_rank() != 0 or not path.exists():
+        return records, []
+    with path.open(newline="") as file:
+        return records, list(csv.DictReader(file))
+
+
 def _planted(manual: bool) -> list[dict[str, Any]]:
     start_rank()
     plugin = L.pytorch.plugins.MixedPrecision(
@@ -291,8 +359,8 @@ def _assert_clipped_like_the_materialised_norm(runs: list[list[dict[str, Any]]])
         norm = float.fromhex(same_on_every_rank([records[step]["norm"] for records in runs]))
         assert_norm(norm, runs[0][step]["materialised"])
         assert norm > MAX_NORM
-        if "logged" in runs[0][step]:  # automatic optimization: the norm logged by self.log
-            assert same_on_every_rank([records[step]["logged"] for records in runs]) == bits(norm)
+        # The norm the mixin logged through self.log, as the Trainer's callback_metrics hold it.
+        assert same_on_every_rank([records[step]["logged"] for records in runs]) == bits(norm)
         clipped = same_on_every_rank([records[step]["clipped"] for records in runs])
         assert math.isclose(clipped, MAX_NORM, rel_tol=1e-4), (step, clipped)
 
@@ -352,6 +420,84 @@ def test_fp16_planted_inf_skips_the_step_on_every_rank(manual):
             assert not skipped and scale == (1024.0 if step < PLANTED_STEP else 512.0)
             assert_norm(norm, runs[0][step]["materialised"])
             assert all(moved)
+
+
+@pytest.fixture(scope="module")
+def csv_fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    """The fits with Lightning's CSV logger, logging on and off: by switch, each rank's records
+    (by rank) and the rows rank 0's logger wrote."""
+    fits = {}
+    for switch in ("on", "off"):
+        runs = run_ranks(_logged_to_csv, switch == "on", str(tmp_path_factory.mktemp(switch)))
+        fits[switch] = [[records for records, _ in runs], runs[0][1]]
+    return fits
+
+
+def test_mixin_logs_the_clips_norm_to_the_trainer_and_its_logger_on_every_step(csv_fits):
+    """Every step's norm, the bits the clip returned: in the Trainer's metrics on every rank (for
+    callbacks, for the loggers, and on the progress bar, as asked) and in the rows Lightning's
+    CSV logger wrote on rank 0."""
+    runs, rows = csv_fits["on"]
+    rows = [row for row in rows if row.get(LOGGED)]
+    assert all(len(records) == STEPS for records in runs) and len(rows) == STEPS, rows
+    for step in range(STEPS):
+        norm = same_on_every_rank([records[step]["norm"] for records in runs])
+        for kind in ("logged", "to loggers", "progress bar"):
+            assert same_on_every_rank([records[step][kind] for records in runs]) == norm, kind
+        assert bits(float(rows[step][LOGGED])) == norm and int(rows[step]["step"]) == step
+
+
+def test_mixin_switched_off_logs_nothing(csv_fits):
+    """log_grad_norm = False: the clip clips as before, and no metric of the norm reaches the
+    Trainer, its callbacks, its progress bar or its logger."""
+    runs, rows = csv_fits["off"]
+    assert all(len(records) == STEPS for records in runs)
+    for step in range(STEPS):
+        norm = float.fromhex(same_on_every_rank([records[step]["norm"] for records in runs]))
+        assert_norm(norm, runs[0][step]["materialised"])
+        clipped = same_on_every_rank([records[step]["clipped"] for records in runs])
+        assert math.isclose(clipped, MAX_NORM, rel_tol=1e-4), (step, clipped)
+        for kind in ("logged", "to loggers", "progress bar"):
+            assert all(records[step][kind] is None for records in runs), kind
+    assert not any(row.get(LOGGED) for row in rows), rows
+
+
+def test_host_read_counter_sees_a_read():
+    """The control of the check below: float() of a tensor is one host read."""
+    with _HostReads() as counted:
+        float(torch.tensor(1.5))
+    assert counted.reads == 1
+
+
+def test_mixin_logging_reads_nothing_on_the_host(csv_fits):
+    """The mixin's clip_grad_norm_ reads the host as often with logging on as off, on every rank
+    at every step (self.log keeps the tensor; the CSV logger reads it later, at its flush), and
+    the norms are the same bits."""
+    on, off = csv_fits["on"][0], csv_fits["off"][0]
+    for step in range(STEPS):
+        for rank in range(len(on)):
+            assert on[rank][step]["reads"] == off[rank][step]["reads"], (step, rank)
+            assert on[rank][step]["norm"] == off[rank][step]["norm"], (step, rank)
+
+
+class _Unattached(MeshSafeGradientClipping, Regression):
+    """The mixin on a LightningModule that no Trainer runs."""
+
+
+@pytest.mark.parametrize(("name", "error"), [(None, TypeError), ("", ValueError)])
+def test_mixin_refuses_a_metric_name_that_names_nothing_before_clipping(name, error):
+    module = _Unattached()
+    module.grad_norm_name = name
+    # Gradients set by hand: autograd run in this process would break backward in the ranks
+    # that later tests fork from it (torch's autograd engine is not fork-safe).
+    for param in module.parameters():
+        param.grad = torch.randn_like(param)
+    before = [p.grad.clone() for p in module.parameters()]
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.raises(error, match="grad_norm_name must be a non-empty str"):
+        module.clip_grad_norm_(optimizer, MAX_NORM)
+    assert module.last_grad_norm is None
+    assert all(torch.equal(p.grad, g) for p, g in zip(module.parameters(), before, strict=True))
 
 
 def test_mixin_listed_after_lightning_module_is_refused_at_class_definition():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -602,7 +603,10 @@ def _skip_on_cpu(kind: str, scaling: bool) -> dict:
     layout = build("fsdp_tp")
     model = layout.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **{kind: True})
-    scaler = GradScaler("cuda", scaling=scaling)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        scaler = GradScaler("cuda", scaling=scaling)
+    warned = [str(w.message) for w in seen if "CUDA is not available" in str(w.message)]
     kept = []
     for step in range(4):
         scaler.scale(model(batch(layout, step)).pow(2).mean()).backward()
@@ -618,21 +622,30 @@ def _skip_on_cpu(kind: str, scaling: bool) -> dict:
         kept.append(all(torch.equal(before[n], after[n]) for n in before))
     finite = all(bool(torch.isfinite(t).all()) for t in local_bits(model).values())
     scale = scaler.get_scale()
-    return {"kept": kept, "skipped_steps": scaler.skipped_steps, "finite": finite, "scale": scale}
+    return {
+        "kept": kept,
+        "skipped_steps": scaler.skipped_steps,
+        "finite": finite,
+        "scale": scale,
+        "warned": len(warned),
+    }
 
 
 @pytest.mark.parametrize("scaling", [False, True], ids=["skipping", "scaling"])
 @pytest.mark.parametrize("kind", ["foreach", "fused"])
 def test_a_cuda_scaler_follows_the_gradients_device(ranks, kind, scaling):
     """With or without scaling: the planted step is skipped on every rank, the weights stay
-    finite, and a scaling scaler backs off once from torch's initial scale."""
+    finite, and a scaling scaler backs off once from torch's initial scale; without CUDA, a
+    scaling one warns once on every rank that it follows the tensors."""
     scale = 2.0**15 if scaling else 1.0
+    warned = int(scaling and not torch.cuda.is_available())
     for result in ranks.run(WORLD, _skip_on_cpu, kind, scaling):
         assert result == {
             "kept": [False, False, True, False],
             "skipped_steps": 1,
             "finite": True,
             "scale": scale,
+            "warned": warned,
         }
 
 

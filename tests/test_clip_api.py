@@ -20,6 +20,7 @@ Oracles, bit for bit (no tolerance: the same operations in the same order):
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -214,13 +215,75 @@ def test_an_empty_generator_warns_where_torchs_functions_warn():
         clip_grads_with_norm_((p for p in []), 1.0, torch.tensor(1.0))
 
 
+SLIP = r"look like gradients \(\[p\.grad for p in model\.parameters\(\)\]\)"
+NO_GRAD_YET = r"none has a \.grad on this rank: the norm is 0 and nothing is clipped"
+
+
+def _slips() -> dict[str, list[str]]:
+    """What each form of the slip warns, on this rank: gradients passed as parameters, trainable
+    parameters before backward, and frozen parameters (no warning)."""
+    model = build("fsdp_tp", 0).model
+    caught = {}
+    for label, call in (
+        ("grads", lambda: clip_grad_norm_(grads(model), 1.0)),
+        ("grads_split", lambda: clip_grads_with_norm_(grads(model), 1.0, torch.tensor(1.0))),
+        (
+            "before_backward",
+            lambda: clip_grad_norm_(_without_grads(build("fsdp_tp", 1).model), 1.0),
+        ),
+        ("frozen", lambda: clip_grad_norm_(_without_grads(model).requires_grad_(False), 1.0)),
+    ):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            call()
+        caught[label] = [str(w.message) for w in seen if w.category is UserWarning]
+    return caught
+
+
+def _without_grads(model: nn.Module) -> nn.Module:
+    model.zero_grad(set_to_none=True)
+    return model
+
+
+def test_gradients_passed_as_parameters_warn_on_every_rank(ranks):
+    """torch's clip, given gradients instead of parameters, norms nothing and clips nothing,
+    silently; ours does the same and says why, on every rank."""
+    for caught in ranks.run(4, _slips):
+        assert len(caught["grads"]) == 1 and re.search(SLIP, caught["grads"][0]), caught
+        assert len(caught["grads_split"]) == 1 and re.search(SLIP, caught["grads_split"][0])
+        assert len(caught["before_backward"]) == 1, caught
+        assert re.search(NO_GRAD_YET, caught["before_backward"][0]), caught
+        assert caught["frozen"] == [], caught
+
+
+def test_parameters_without_gradients_warn_and_nothing_changes():
+    """Trainable parameters without a gradient (a clip before backward): norm 0 and a warning;
+    frozen ones: norm 0 and no warning; gradients passed as parameters: the slip named."""
+    model = nn.Linear(3, 2)
+    with pytest.warns(UserWarning, match=NO_GRAD_YET):
+        assert clip_grad_norm_(model.parameters(), 1.0).item() == 0.0
+    model(torch.ones(4, 3)).sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.warns(UserWarning, match=SLIP):
+        assert clip_grad_norm_([p.grad for p in model.parameters()], 1e-6).item() == 0.0
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clip_grad_norm_(nn.Linear(3, 2).requires_grad_(False).parameters(), 1.0)
+        clip_grad_norm_(model.parameters(), 1.0)
+
+
 def test_nothing_to_clip_returns_before_reading_total_norm_as_torch_does():
     """With no gradient, torch's clip_grads_with_norm_ returns None whatever total_norm is (a
     float included); so does ours. With gradients, a float total_norm is refused by both."""
     without_grad = [torch.zeros(2, requires_grad=True)]
     for parameters in ([], without_grad):
         assert torch.nn.utils.clip_grads_with_norm_(parameters, 0.3, 1.5) is None  # type: ignore[arg-type]
-        assert clip_grads_with_norm_(parameters, 0.3, 1.5) is None  # type: ignore[arg-type]
+        with warnings.catch_warnings():
+            warnings.simplefilter(
+                "ignore", UserWarning
+            )  # no gradient: its warning is tested on its own
+            assert clip_grads_with_norm_(parameters, 0.3, 1.5) is None  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         torch.nn.utils.clip_grads_with_norm_(_params("mixed"), 0.3, 1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="total_norm must be a tensor"):

@@ -9,7 +9,9 @@ Run with Lightning's own launcher, which starts the 4 processes itself::
 
 (or under ``torchrun --nproc-per-node 4``, which Lightning detects). ``configure_model`` applies
 TP to the MLP and FSDP2 over the data-parallel dim: Lightning's own ``gradient_clip_val`` would
-call torch's clip and raise the mixed-mesh error; the mixin clips with this package's instead.
+call torch's clip and raise the mixed-mesh error; the mixin clips with this package's instead,
+and logs each step's norm through ``self.log`` (as ``grad_2.0_norm_total``), which each step's
+line prints.
 """
 
 from __future__ import annotations
@@ -56,11 +58,12 @@ class Model(MeshSafeGradientClipping, L.LightningModule):  # the mixin first
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     def on_train_batch_end(self, outputs: dict, batch: object, index: int) -> None:
-        # The last clip's norm: a plain tensor, the same on every rank.
-        self.log("grad_norm", self.last_grad_norm)
+        # The mixin logged this step's clip norm with self.log: every logger given to the Trainer
+        # receives it, and the Trainer's metrics hold it (a tensor, the same on every rank).
+        grad_norm = self.trainer.callback_metrics["grad_2.0_norm_total"]
         # --8<-- [end:module]
         self.print(
-            f"step {self.global_step - 1}  loss {outputs['loss'].item():.6f}  grad_norm {self.last_grad_norm.item():.6f}"
+            f"step {self.global_step - 1}  loss {outputs['loss'].item():.6f}  grad_norm {grad_norm.item():.6f}"
         )
 
     def on_train_end(self) -> None:

@@ -5,8 +5,8 @@ Run on 4 processes::
     torchrun --standalone --nproc-per-node 4 docs/examples/torchtitan_meshes.py               # CPU: gloo
     torchrun --standalone --nproc-per-node 4 docs/examples/torchtitan_meshes.py --device cuda  # 4 GPUs
 
-torchtitan's trainer needs a GPU (its debug models' FlexAttention has no backward on a CPU), a
-tokenizer and a dataset. This script keeps what the clip sees: torchtitan's ``ParallelDims``
+torchtitan's trainer itself, with the clip swapped, is ``torchtitan_trainer.py``. This script
+keeps what the clip sees: torchtitan's ``ParallelDims``
 meshes (views unflattened from a 1-D world, ``spmd_backend="partial_dtensor"``), a small model
 laid out in its style (the norm under SequenceParallel, the MLP Colwise/Rowwise, FSDP2 on its
 ``fsdp`` view), and the clip its trainer calls, under the same signature, with this package's

@@ -20,7 +20,7 @@ It is a subclass, as torch's own ShardedGradScaler is: it overrides ``unscale_``
 
 from __future__ import annotations
 
-import logging
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -32,8 +32,6 @@ from credit.parallel import _scaler
 from credit.parallel._common.compat import local_tensor
 
 __all__ = ["GradScaler"]
-
-logger = logging.getLogger(__name__)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -71,7 +69,8 @@ class GradScaler(torch.amp.GradScaler):
     of a scale, and there is none. With scaling on, the scale is created on the loss's device,
     as torch's; where torch's scaler disables itself (``"cuda"`` on a machine without CUDA,
     leaving non-finite steps to make the weights NaN), this one follows the loss and the
-    gradients onto the CPU, scales and skips as on a GPU, and logs that it did (at INFO).
+    gradients onto the CPU, scales and skips as on a GPU, and warns that it did (a
+    ``UserWarning``, once per call site).
 
     On a step skipped by a non-fused optimizer (whose step reads the answer on the host anyway),
     the scaler logs a warning naming the parameters whose gradients held a NaN or inf when
@@ -292,13 +291,16 @@ def _checked_device(device: str, scaling: bool, enabled: bool) -> str:
     """The device name handed to torch's constructor, which disables a ``"cuda"`` scaler on a
     machine without CUDA (skipping included, with only a warning). The scale is created where
     the loss (or, with ``scaling=False``, the gradients) lives, so on such a machine the scaler
-    follows the tensors it is given onto the CPU instead, and says so."""
+    follows the tensors it is given onto the CPU instead, and warns (Python's warning: once per
+    call site)."""
     if not (enabled and device == "cuda" and not torch.cuda.is_available()):
         return device
     if scaling:
-        logger.info(
+        warnings.warn(
             'GradScaler("cuda"): CUDA is not available; the scale follows the loss and the '
-            'gradients onto their device (pass device="cpu" to say so)'
+            'gradients onto their device (pass device="cpu" to say so)',
+            UserWarning,
+            stacklevel=3,
         )
     return "cpu"
 

@@ -358,6 +358,7 @@ def clip_grad_norm_(
         RuntimeError: as :func:`total_grad_norm`, or ``max_norm`` is on the meta device.
     """
     params, names = _inputs.parameter_list(parameters)
+    _inputs.warn_if_no_grads(params, "clip_grad_norm_")
     bound = _inputs.clip_bound(max_norm)
     request = _norm.norm_request(
         [grad for p in params if (grad := p.grad) is not None],
@@ -419,6 +420,7 @@ def clip_grads_with_norm_(
             on a device without foreach kernels.
     """
     params, _ = _inputs.parameter_list(parameters, warn_if_empty_generator=False)
+    _inputs.warn_if_no_grads(params, "clip_grads_with_norm_")
     bound = _inputs.clip_bound(max_norm)
     grads = [grad for p in params if (grad := p.grad) is not None]
     if not grads:  # torch returns before it looks at total_norm

@@ -80,6 +80,32 @@ def parameter_list(
     return params, None
 
 
+def warn_if_no_grads(params: list[Tensor], what: str) -> None:
+    """Warn when no tensor of ``params`` has a ``.grad``: the norm is then 0 and nothing is
+    clipped, which is right (torch does the same) but usually a slip. Tensors that are neither
+    parameters nor trainable look like gradients passed as parameters (``[p.grad for p in
+    model.parameters()]``); trainable ones without a gradient, like a clip before ``backward``.
+    Frozen parameters (``requires_grad=False``) have no gradient by design: no warning. The
+    warning is Python's, shown once per call site."""
+    if not params or any(param.grad is not None for param in params):
+        return
+    if not any(isinstance(p, nn.Parameter) or p.requires_grad for p in params):
+        message = (
+            f"{what} got {len(params)} tensors, none of them a parameter and none with a .grad: "
+            "they look like gradients ([p.grad for p in model.parameters()]). Pass the "
+            "parameters (model.parameters()), whose .grad is clipped; as called, the norm is 0 "
+            "and nothing is clipped"
+        )
+    elif any(param.requires_grad for param in params):
+        message = (
+            f"{what} got {len(params)} parameters and none has a .grad on this rank: the norm is "
+            "0 and nothing is clipped. Call it after backward (and before zero_grad)"
+        )
+    else:
+        return
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
 def _is_named(item: object) -> bool:
     return (
         isinstance(item, tuple)

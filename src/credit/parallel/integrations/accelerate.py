@@ -6,8 +6,10 @@ expert-parallel rank (FSDP2 on a mesh beside the dense one) it returns a differe
 expert-parallel rank, and it has no way to declare them. It also unscales only where accelerate
 made the scaler itself (fp16 on an accelerator device), so a scaler set by hand, such as
 ``credit.parallel.amp.GradScaler`` skipping non-finite bf16 steps, is never unscaled.
-:func:`clip_grad_norm_` unscales through whatever scaler the accelerator holds and clips with
-:func:`credit.parallel.collectives.clip_grad_norm_`. This module does not import accelerate.
+:func:`clip_grad_norm_` unscales through whatever scaler the accelerator holds, refuses
+parameters that no prepared optimizer holds while a scaler is set (their gradients would stay
+scaled), clips with :func:`credit.parallel.collectives.clip_grad_norm_`, and on request hands
+the norm to ``accelerator.log``. This module does not import accelerate.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from credit.parallel.collectives import clip_grad_norm_ as _clip_grad_norm_
 
 __all__ = ["clip_grad_norm_"]
 
+# How many parameters outside every prepared optimizer the error names.
+_NAMED = 3
+
 
 def clip_grad_norm_(
     accelerator: Any,
@@ -37,6 +42,8 @@ def clip_grad_norm_(
     pp_group: GroupLike = None,
     distinct_along: DistinctAlong | None = None,
     check: bool | None = None,
+    log_as: str | None = None,
+    log_step: int | None = None,
 ) -> Tensor:
     """``accelerator.clip_grad_norm_(parameters, max_norm)`` on any mix of meshes.
 
@@ -55,6 +62,16 @@ def clip_grad_norm_(
         accelerator.scaler = GradScaler("cuda")  # credit.parallel.amp; scaling=False for bf16
         optimizer = accelerator.prepare(optimizer)
 
+    While a scaler is set, every parameter to clip that requires a gradient (or holds one) must
+    belong to a prepared optimizer: only those are unscaled, and only their steps go through
+    the scaler.
+
+    With ``log_as``, the norm is also handed to ``accelerator.log`` as ``{log_as: norm}`` where
+    ``accelerator.trackers`` is not empty (accelerate fills it on the main process only, in
+    ``init_trackers``). ``accelerator.log`` takes Python numbers: that costs a host read of the
+    norm on that process (on a GPU, a wait for the clip's kernels), and nothing on the others.
+    Without ``log_as`` nothing is read or logged.
+
     Args:
         accelerator: the ``accelerate.Accelerator``.
         parameters: the parameters whose ``.grad`` is clipped in place, or the module (or its
@@ -63,16 +80,28 @@ def clip_grad_norm_(
         norm_type: p-norm exponent, a positive float or ``inf``. Default: 2.
         pp_group, distinct_along, check: see :func:`credit.parallel.collectives.total_grad_norm`
             (``distinct_along=[(experts.parameters(), ep_group)]`` for rank-local experts).
+        log_as: the key under which ``accelerator.log`` records the norm (before clipping), such
+            as ``"grad_norm"``. Default: None, not logged: accelerate's clip logs nothing and
+            reads nothing, and a tracker that counts its own steps (wandb, without ``step``)
+            would count each extra ``log`` call as a step.
+        log_step: the ``step`` passed to ``accelerator.log`` (its default, None, lets each
+            tracker count). Only with ``log_as``.
 
     Returns:
         The total norm before clipping, a plain scalar tensor, the same on every rank.
 
     Raises:
         TypeError: ``accelerator`` is not an ``Accelerator`` (None, or the parameters passed
-            first as to torch's clip), or as :func:`credit.parallel.collectives.clip_grad_norm_`.
-        ValueError, RuntimeError: as :func:`credit.parallel.collectives.clip_grad_norm_`.
+            first as to torch's clip), ``log_as`` is not a string or ``log_step`` not an int, or
+            as :func:`credit.parallel.collectives.clip_grad_norm_`.
+        ValueError: ``accelerator.scaler`` is set and no prepared optimizer holds a parameter
+            to clip, ``log_as`` is empty, or ``log_step`` is given without ``log_as``; or as
+            :func:`credit.parallel.collectives.clip_grad_norm_`. Raised before any gradient is
+            unscaled or clipped.
+        RuntimeError: as :func:`credit.parallel.collectives.clip_grad_norm_`.
     """
     scaler = _scaler_of(accelerator)
+    _check_logging(log_as, log_step)
     params, names = _inputs.parameter_list(parameters)
     _inputs.clip_bound(max_norm)
     _norm.checked_norm_type(norm_type)
@@ -80,13 +109,9 @@ def clip_grad_norm_(
     _inputs.check_grads(grads, "parameters")
     distinct_along = _reusable(distinct_along)
     _inputs.distinct_groups(distinct_along, grads)
-    if scaler is not None:
-        # The optimizers accelerate prepared, as its own unscale_gradients() reads them.
-        for prepared in accelerator._optimizers:
-            optimizer = _unwrapped(prepared)
-            if not unscaled_since_update(scaler, optimizer):
-                scaler.unscale_(optimizer)
-    return _clip_grad_norm_(
+    if _is_enabled(scaler):
+        _unscale_prepared(accelerator, scaler, params, names)
+    norm = _clip_grad_norm_(
         params if names is None else list(zip(names, params, strict=True)),
         max_norm,
         norm_type,
@@ -94,6 +119,9 @@ def clip_grad_norm_(
         distinct_along=distinct_along,
         check=check,
     )
+    if log_as is not None:
+        _log(accelerator, log_as, norm, log_step)
+    return norm
 
 
 def _scaler_of(accelerator: Any) -> Any:
@@ -109,6 +137,109 @@ def _scaler_of(accelerator: Any) -> Any:
             "max_norm), as accelerator.clip_grad_norm_(parameters, max_norm)"
         )
     return accelerator.scaler
+
+
+def _is_enabled(scaler: Any) -> bool:
+    """Whether ``scaler`` is set and enabled (a disabled torch scaler unscales nothing)."""
+    if scaler is None:
+        return False
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
+
+
+def _unscale_prepared(
+    accelerator: Any, scaler: Any, params: list[Tensor], names: list[str] | None
+) -> None:
+    """Unscale the gradients of every prepared optimizer not unscaled since the scaler's last
+    ``update()``, once every parameter to clip is known to belong to one.
+
+    Raises:
+        ValueError: as :func:`_check_prepared`, before anything is unscaled.
+    """
+    # The optimizers accelerate prepared, as its own unscale_gradients() reads them.
+    optimizers = [_unwrapped(prepared) for prepared in accelerator._optimizers]
+    _check_prepared(params, names, optimizers, bool(getattr(scaler, "scaling", True)))
+    for optimizer in optimizers:
+        if not unscaled_since_update(scaler, optimizer):
+            scaler.unscale_(optimizer)
+
+
+def _check_logging(log_as: object, log_step: object) -> None:
+    """Check the logging arguments of :func:`clip_grad_norm_`.
+
+    Raises:
+        TypeError: ``log_as`` is not a string, or ``log_step`` not an int.
+        ValueError: ``log_as`` is empty, or ``log_step`` is given without ``log_as``.
+    """
+    if log_as is not None and not isinstance(log_as, str):
+        raise TypeError(
+            f"log_as must be the key accelerator.log records the norm under, such as "
+            f"'grad_norm', or None, got {type(log_as).__name__}"
+        )
+    if log_as == "":
+        raise ValueError("log_as must be a non-empty key, such as 'grad_norm', or None")
+    if log_step is not None and (isinstance(log_step, bool) or not isinstance(log_step, int)):
+        raise TypeError(f"log_step must be an int or None, got {type(log_step).__name__}")
+    if log_step is not None and log_as is None:
+        raise ValueError(
+            f"log_step={log_step} was given without log_as, so nothing would be logged: pass "
+            "log_as='grad_norm' (the key accelerator.log records the norm under) as well"
+        )
+
+
+def _check_prepared(
+    params: list[Tensor],
+    names: list[str] | None,
+    optimizers: list[torch.optim.Optimizer],
+    scaling: bool,
+) -> None:
+    """Refuse parameters to clip that no prepared optimizer holds, while a scaler is set: only a
+    prepared optimizer's gradients are unscaled here, and only its step goes through the scaler.
+
+    Raises:
+        ValueError: naming the first such parameters and the two ways out.
+    """
+    # It depends on the parameters passed, their requires_grad and the prepared optimizers'
+    # parameters (a gradient counts only on a parameter that requires none, set by hand), not on
+    # which gradients the data produced: what the same script builds alike on every rank, so
+    # every rank of a well-formed run raises here or none does, before any collective.
+    held = {
+        id(p)
+        for optimizer in optimizers
+        for group in optimizer.param_groups
+        for p in group["params"]
+    }
+    outside = [
+        index
+        for index, p in enumerate(params)
+        if (p.requires_grad or p.grad is not None) and id(p) not in held
+    ]
+    if not outside:
+        return
+    named = [names[i] if names is not None else f"parameters[{i}]" for i in outside[:_NAMED]]
+    more = f" and {len(outside) - _NAMED} more" if len(outside) > _NAMED else ""
+    wrong = (
+        "accelerator.backward scaled their gradients and nothing here would unscale them: the "
+        "norm would be the scale times the real one"
+        if scaling
+        else "their optimizer's step would not go through the scaler, which would then skip no "
+        "step of theirs that holds a NaN or inf"
+    )
+    raise ValueError(
+        f"accelerator.scaler is set, and no optimizer passed to accelerator.prepare holds "
+        f"{len(outside)} of the parameters to clip ({', '.join(named)}{more}): {wrong}. Pass "
+        "their optimizer through accelerator.prepare (with accelerator.scaler set before), or "
+        "unscale first (accelerator.scaler.unscale_(optimizer)) and clip with "
+        "credit.parallel.collectives.clip_grad_norm_. No gradient was modified."
+    )
+
+
+def _log(accelerator: Any, key: str, norm: Tensor, step: int | None) -> None:
+    """``accelerator.log({key: norm}, step=step)`` where trackers are set: a host read there."""
+    # accelerate fills accelerator.trackers on the main process only: the other processes read
+    # nothing, and no collective depends on it.
+    if getattr(accelerator, "trackers", None):
+        accelerator.log({key: norm.item()}, step=step)
 
 
 def _reusable(distinct_along: DistinctAlong | None) -> DistinctAlong | None:
