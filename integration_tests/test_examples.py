@@ -85,3 +85,31 @@ def test_page_command_runs_as_written(script, command):
     assert len(steps) >= 3 and all(math.isfinite(float(norm)) for _, _, norm in steps)
     if script != "fsdp_tp_domain":  # the README's 8-rank example checks its norms, not replicas
         assert DONE.search(done.stdout), done.stdout
+
+
+# The page's "tune cp" lines: recipes and configs copied to files of one's own to edit.
+TUNE_CP = [
+    m["command"]
+    for m in map(
+        re.compile(r"^\s*\$ (?P<command>tune cp .*?)\s*$").match, PAGE.read_text().splitlines()
+    )
+    if m
+]
+
+
+def test_tune_cp_lines_give_the_recipe_the_page_edits(tmp_path):
+    """Each ``tune cp`` line of the page, run as written (in a folder of its own: it writes
+    there), copies its file; the recipe holds the clip call the page says to replace."""
+    framework("torchtune")
+    assert len(TUNE_CP) == 2, TUNE_CP
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    for command in TUNE_CP:
+        done = subprocess.run(
+            shlex.split(command), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert (tmp_path / shlex.split(command)[-1]).is_file(), command
+    recipe = (tmp_path / "my_recipe.py").read_text()
+    assert recipe.count("torch.nn.utils.clip_grad_norm_(") == 1, "the page's edit no longer fits"
+    assert "isinstance(grad_norm, DTensor)" in recipe
