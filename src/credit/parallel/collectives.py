@@ -358,10 +358,12 @@ def clip_grad_norm_(
         RuntimeError: as :func:`total_grad_norm`, or ``max_norm`` is on the meta device.
     """
     params, names = _inputs.parameter_list(parameters)
-    _inputs.warn_if_no_grads(params, "clip_grad_norm_")
     bound = _inputs.clip_bound(max_norm)
+    grads = [grad for p in params if (grad := p.grad) is not None]
+    if params and not grads:
+        _inputs.warn_no_grads(params, "clip_grad_norm_")
     request = _norm.norm_request(
-        [grad for p in params if (grad := p.grad) is not None],
+        grads,
         "clip_grad_norm_",
         norm_type,
         error_if_nonfinite,
@@ -420,10 +422,11 @@ def clip_grads_with_norm_(
             on a device without foreach kernels.
     """
     params, _ = _inputs.parameter_list(parameters, warn_if_empty_generator=False)
-    _inputs.warn_if_no_grads(params, "clip_grads_with_norm_")
     bound = _inputs.clip_bound(max_norm)
     grads = [grad for p in params if (grad := p.grad) is not None]
     if not grads:  # torch returns before it looks at total_norm
+        if params:
+            _inputs.warn_no_grads(params, "clip_grads_with_norm_")
         return
     if not isinstance(total_norm, Tensor):
         raise TypeError(

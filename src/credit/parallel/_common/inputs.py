@@ -80,15 +80,13 @@ def parameter_list(
     return params, None
 
 
-def warn_if_no_grads(params: list[Tensor], what: str) -> None:
-    """Warn when no tensor of ``params`` has a ``.grad``: the norm is then 0 and nothing is
-    clipped, which is right (torch does the same) but usually a slip. Tensors that are neither
-    parameters nor trainable look like gradients passed as parameters (``[p.grad for p in
-    model.parameters()]``); trainable ones without a gradient, like a clip before ``backward``.
-    Frozen parameters (``requires_grad=False``) have no gradient by design: no warning. The
-    warning is Python's, shown once per call site."""
-    if not params or any(param.grad is not None for param in params):
-        return
+def warn_no_grads(params: list[Tensor], what: str) -> None:
+    """Warn that no tensor of ``params`` (not empty) has a ``.grad``, as the clip ``what`` found:
+    the norm is then 0 and nothing is clipped, which is right (torch does the same) but usually a
+    slip. Tensors that are neither parameters nor trainable look like gradients passed as
+    parameters (``[p.grad for p in model.parameters()]``); trainable ones without a gradient,
+    like a clip before ``backward``. Frozen parameters (``requires_grad=False``) have no gradient
+    by design: no warning. The warning is Python's, shown once per call site."""
     if not any(isinstance(p, nn.Parameter) or p.requires_grad for p in params):
         message = (
             f"{what} got {len(params)} tensors, none of them a parameter and none with a .grad: "
