@@ -57,7 +57,6 @@ def all_reduce_avg(tensor: Tensor, group: GroupLike = None) -> None:
     _averaging.average_tensor(tensor, group)
 
 
-@torch.no_grad()
 def allreduce_grads_avg(
     grads: Iterable[Tensor | None],
     group: GroupLike,

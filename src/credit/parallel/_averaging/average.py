@@ -40,7 +40,7 @@ def average_tensor(tensor: Tensor, group: GroupLike) -> None:
         local.div_(how.divisor)
 
 
-@torch.no_grad()
+@torch.no_grad()  # for allreduce_grads_avg and for the hooks of in_backward alike
 def average_grads(
     grads: Iterable[Tensor | None],
     group: GroupLike,
