@@ -4,9 +4,9 @@
 private subsystems, each a folder whose ``__init__.py`` (its face) hands on the names the rest of
 the package uses. The rules, each a test below:
 
-1. Imports run one way: ``_common`` imports nothing else of the package; ``_norm``, ``_replicas``
-   and ``_averaging`` import ``_common``; ``_scaler`` imports ``_common`` and ``_norm``; the public
-   modules (``demo`` and ``integrations`` included) import anything. No private folder imports a
+1. Imports run one way: ``_common`` imports nothing else of the package; ``_norm``, ``_replicas``,
+   ``_averaging`` and ``_spikes`` import ``_common``; ``_scaler`` imports ``_common`` and ``_norm``;
+   the public modules (``demo`` and ``integrations`` included) import anything. No private folder imports a
    public module. Every import counts: inside functions and under ``TYPE_CHECKING`` too.
 2. Outside its folder, a subsystem is reached through its face only (``from credit.parallel import
    _norm``, ``from credit.parallel._norm import reduce``), never its modules, so that each folder
@@ -49,6 +49,7 @@ PUBLIC = (
     "norm_report",
     "amp",
     "replicas",
+    "spikes",
     "parallel_mesh",
     "__main__",
     "demo",
@@ -61,9 +62,10 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "_replicas": frozenset({"_common"}),
     "_averaging": frozenset({"_common"}),
     "_scaler": frozenset({"_common", "_norm"}),
+    "_spikes": frozenset({"_common"}),
 }
 # Folders reached through their face only.
-FACES = ("_norm", "_replicas", "_scaler", "_averaging")
+FACES = ("_norm", "_replicas", "_scaler", "_averaging", "_spikes")
 # The steps of each subsystem; its orchestrator (not listed) alone calls them.
 STEPS: dict[str, tuple[str, ...]] = {
     "_norm": ("request", "plan", "proof", "local_norms", "collective", "verdict", "clip"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from torch.amp.grad_scaler import OptState
 
 from credit.parallel import _scaler
 from credit.parallel._common.compat import local_tensor
+from credit.parallel.spikes import SpikePolicy
 
 __all__ = ["GradScaler"]
 
@@ -77,9 +79,16 @@ class GradScaler(torch.amp.GradScaler):
     ``unscale_`` checked them and the ranks that held them, on the world's rank 0, for the 1st,
     2nd, 4th, 8th, ... skipped step (one more all_gather, on those steps only).
 
+    With ``spikes``, a :class:`~credit.parallel.spikes.SpikePolicy` (whose ``clip_grad_norm_``
+    takes the place of the clip) also skips the steps it decides are spikes, on every rank alike:
+    the step's answer is then "a NaN or inf, or a spike", on the device, so fused optimizers take
+    it without a host sync. A spike leaves the scale alone (only a NaN or inf backs it off), and
+    at :meth:`update` the policy's histories take in the step if neither skipped it. A skipped
+    spike counts in ``skipped_steps`` and ``last_step_skipped``; the policy counts by cause.
+
     :meth:`state_dict` holds torch's five entries and ``scaling``, ``skipped_steps`` and
     ``reported_skips``, so a resumed run counts on and reports on where it stopped; it works as a
-    stateful object of ``torch.distributed.checkpoint``.
+    stateful object of ``torch.distributed.checkpoint`` (the policy has a state of its own).
 
     Args:
         device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as for
@@ -90,6 +99,9 @@ class GradScaler(torch.amp.GradScaler):
             skipped-step report. Without it, the report takes the names an optimizer built from
             ``model.named_parameters()`` keeps (its ``param_names``), and otherwise names a
             parameter by its place in the optimizer and its shape.
+        spikes: a :class:`~credit.parallel.spikes.SpikePolicy` deciding for every optimizer this
+            scaler steps, or a mapping from each optimizer to the policy deciding for it (two
+            optimizers clipped apart). A policy is held by one scaler.
 
     Attributes:
         scaling: whether the loss is scaled.
@@ -106,6 +118,7 @@ class GradScaler(torch.amp.GradScaler):
         *,
         scaling: bool = True,
         model: nn.Module | None = None,
+        spikes: SpikePolicy | Mapping[torch.optim.Optimizer, SpikePolicy] | None = None,
     ) -> None:
         super().__init__(
             _checked_device(device, scaling, enabled),
@@ -118,6 +131,7 @@ class GradScaler(torch.amp.GradScaler):
         self.scaling = scaling
         self._flags = _scaler.StepFlags()  # one per optimizer, from unscale_ to update()
         self._skipped_steps = _scaler.SkippedSteps(model)
+        self._spikes = _scaler.SpikePolicies(spikes, self)
 
     # --- scaling off ---------------------------------------------------------------------------
 
@@ -168,6 +182,17 @@ class GradScaler(torch.amp.GradScaler):
         self._per_optimizer_states[key]["found_inf_per_device"] = {answer.device: answer}
         return answer
 
+    def _step_answer(self, key: int) -> Tensor:
+        """Whether optimizer ``key`` skips its step: a NaN or inf, or a spike (1.0 or 0.0, which
+        fused optimizers compare with 1), written where torch's step reads it. ``update`` writes
+        the non-finite answer alone back for the scale."""
+        answer = self._decide(key)
+        spike = self._spikes.flag(key)
+        if spike is not None:
+            answer = torch.maximum(answer, spike.to(answer.device))
+            self._per_optimizer_states[key]["found_inf_per_device"] = {answer.device: answer}
+        return answer
+
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """A fused optimizer's step without ``unscale_``: check, then reduce over the world."""
         self._scale_tracker(optimizer)
@@ -175,7 +200,7 @@ class GradScaler(torch.amp.GradScaler):
         grads = _local_grads(optimizer, allow_fp16=True)
         local = _scaler.check(grads, scale.device)
         self._flags.expect(id(optimizer), grads, scale.device, local)
-        self._decide(id(optimizer))
+        self._step_answer(id(optimizer))
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
@@ -188,7 +213,7 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled:
             self._scale_tracker(optimizer)
             if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
-                self._decide(id(optimizer))
+                self._step_answer(id(optimizer))
         return super().step(optimizer, *args, **kwargs)
 
     def _maybe_opt_step(
@@ -198,10 +223,14 @@ class GradScaler(torch.amp.GradScaler):
         *args: Any,
         **kwargs: Any,
     ) -> float | None:
-        if self._decide(id(optimizer)).item():  # the host sync torch's own step makes here
-            flag = self._flags.get(id(optimizer))
+        key = id(optimizer)
+        if self._step_answer(key).item():  # the host sync torch's own step makes here
+            flag = self._flags.get(key)
             assert flag is not None  # _decide read it
-            self._skipped_steps.report(optimizer, flag)
+            if self._decide(key).item():  # a second read, on a skipped step only
+                self._skipped_steps.report(optimizer, flag)
+            else:
+                self._spikes.report(key)
             return None
         return optimizer.step(*args, **kwargs)
 
@@ -216,8 +245,8 @@ class GradScaler(torch.amp.GradScaler):
             return
         if new_scale is not None and not self.scaling:
             raise ValueError("a GradScaler with scaling=False keeps its scale at 1.0")
-        for key in self._flags.optimizers():
-            self._decide(key)
+        non_finite = {key: self._decide(key) for key in self._flags.optimizers()}
+        spikes = self._spikes.settle(non_finite)
         self._flags.clear()
         found = [
             answer
@@ -225,7 +254,7 @@ class GradScaler(torch.amp.GradScaler):
             for answer in state["found_inf_per_device"].values()
         ]
         if found:
-            self._skipped_steps.count(found)
+            self._skipped_steps.count(found + spikes)
         elif new_scale is None:
             raise AssertionError("No inf checks were recorded prior to update.")
         if self.scaling:

@@ -1,0 +1,35 @@
+"""Gradient spikes: the histories of a step's norm and loss, and the decision each step takes.
+
+``decide`` reads a step against the histories before it; ``settled`` enters a taken step into
+them; ``report_spike`` tells rank 0 of a skipped one. The public ``SpikePolicy`` strings them
+together; the ``GradScaler`` skips the steps they decide.
+"""
+
+from credit.parallel._spikes.decision import Decision, Observed, decide
+from credit.parallel._spikes.report import report_spike
+from credit.parallel._spikes.settings import SpikeSettings, checked_settings
+from credit.parallel._spikes.state import (
+    NON_FINITE,
+    SPIKE,
+    SpikeState,
+    initial,
+    loaded,
+    settled,
+    state_dict,
+)
+
+__all__ = [
+    "NON_FINITE",
+    "SPIKE",
+    "Decision",
+    "Observed",
+    "SpikeSettings",
+    "SpikeState",
+    "checked_settings",
+    "decide",
+    "initial",
+    "loaded",
+    "report_spike",
+    "settled",
+    "state_dict",
+]

@@ -1,0 +1,116 @@
+"""What a spike policy carries from step to step, and how a settled step changes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from credit.parallel._spikes import history as _history
+from credit.parallel._spikes.decision import Decision
+from credit.parallel._spikes.settings import SpikeSettings
+
+NON_FINITE, SPIKE = 0, 1  # places in ``SpikeState.skipped``
+_FIELDS = ("values", "count", "mean", "var")  # of a saved ValueHistory
+
+
+@dataclass(frozen=True)
+class SpikeState:
+    """A policy's histories and counts, the same on every rank.
+
+    Attributes:
+        norms: the history of the gradient norm.
+        losses: the history of the loss, or None until a step gives one.
+        skipped: steps skipped for a NaN or inf and as spikes, an int64 pair on the device.
+        steps: how many steps the policy has seen (``clip_grad_norm_`` calls).
+    """
+
+    norms: _history.ValueHistory
+    losses: _history.ValueHistory | None
+    skipped: Tensor
+    steps: int
+
+    def on(self, device: torch.device) -> SpikeState:
+        """The same state on ``device`` (no copy where it is already there)."""
+        if self.skipped.device == device:
+            return self
+        losses = None if self.losses is None else self.losses.to(device)
+        return SpikeState(self.norms.to(device), losses, self.skipped.to(device), self.steps)
+
+
+def initial(settings: SpikeSettings, device: torch.device) -> SpikeState:
+    """The state of a policy that has seen nothing."""
+    skipped = torch.zeros(2, dtype=torch.int64, device=device)
+    return SpikeState(_history.empty(settings, device), None, skipped, 0)
+
+
+def settled(
+    settings: SpikeSettings, state: SpikeState, decision: Decision, non_finite: Tensor | None
+) -> SpikeState:
+    """``state`` after the step of ``decision``, which the world's ``non_finite`` answer (1.0 when
+    a gradient held a NaN or inf; None without a scaler) skipped or not. Only a taken step enters
+    the histories."""
+    observed = decision.observed
+    bad = ~torch.isfinite(observed.norm)
+    if observed.loss is not None:
+        bad = bad | ~torch.isfinite(observed.loss)
+    if non_finite is not None:
+        bad = bad | (non_finite.to(bad.device) > 0)
+    spike = decision.spike & ~bad
+    take = ~bad & ~spike
+    losses = state.losses
+    if observed.loss is not None:
+        losses = _history.empty(settings, bad.device) if losses is None else losses
+        losses = _history.entered(settings, losses, observed.loss, take)
+    skipped = state.skipped + torch.stack([bad, spike]).to(torch.int64)
+    norms = _history.entered(settings, state.norms, decision.entering, take)
+    return replace(state, norms=norms, losses=losses, skipped=skipped)
+
+
+def state_dict(settings: SpikeSettings, state: SpikeState) -> dict[str, Any]:
+    """``state`` as plain values and CPU tensors, with the settings it only fits."""
+    saved: dict[str, Any] = {
+        **settings.fingerprint(),
+        "steps": state.steps,
+        "skipped": state.skipped.cpu(),
+        "norms": _saved(state.norms),
+    }
+    if state.losses is not None:
+        saved["losses"] = _saved(state.losses)
+    return saved
+
+
+def loaded(settings: SpikeSettings, saved: dict[str, Any]) -> SpikeState:
+    """The state :func:`state_dict` saved (on the CPU until the next step moves it).
+
+    Raises:
+        ValueError: the state was saved under other settings (naming them), or an entry is
+            missing.
+    """
+    fingerprint = settings.fingerprint()
+    differ = {k: saved.get(k) for k, v in fingerprint.items() if saved.get(k) != v}
+    if differ:
+        raise ValueError(
+            f"the SpikePolicy state was saved with {differ} and is loaded into a policy with "
+            f"{ {k: fingerprint[k] for k in differ} }: build the policy with the saved settings"
+        )
+    try:
+        losses = saved.get("losses")
+        return SpikeState(
+            _restored(saved["norms"]),
+            None if losses is None else _restored(losses),
+            torch.as_tensor(saved["skipped"], dtype=torch.int64).clone(),
+            int(saved["steps"]),
+        )
+    except KeyError as missing:
+        raise ValueError(f"the SpikePolicy state has no entry {missing}") from None
+
+
+def _saved(history: _history.ValueHistory) -> dict[str, Tensor]:
+    return {name: tensor.cpu() for name, tensor in zip(_FIELDS, history.tensors(), strict=True)}
+
+
+def _restored(saved: dict[str, Tensor]) -> _history.ValueHistory:
+    return _history.ValueHistory(*(torch.as_tensor(saved[name]).clone() for name in _FIELDS))

@@ -1,0 +1,338 @@
+"""Gradient spikes handled by the world: a skipped step and an adaptive clip, decided alike on
+every rank, with no host read.
+
+A :class:`SpikePolicy` takes the place of the clip in a trainer's step. Its
+:meth:`~SpikePolicy.clip_grad_norm_` takes this package's norm (the same bits on every rank, on
+any mix of meshes), reads it against the norm's recent history, clips, and leaves the decision
+to take or skip the step to the :class:`~credit.parallel.amp.GradScaler` it was given to::
+
+    spikes = SpikePolicy()                                # skip at z > 6 over an EMA
+    scaler = GradScaler("cuda", scaling=False, spikes=spikes)  # bf16; scaling=True for fp16
+    for batch in loader:
+        loss = model(batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        spikes.clip_grad_norm_(model.parameters(), max_norm=1.0, loss=loss)
+        scaler.step(optimizer)                            # skipped on every rank on a spike
+        scaler.update()
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from credit.parallel import _averaging, _norm, _spikes
+from credit.parallel._common import inputs as _inputs
+from credit.parallel._common.groups import GroupLike
+from credit.parallel._common.inputs import DistinctAlong, TensorOrTensors
+
+__all__ = ["SpikePolicy"]
+
+
+class SpikePolicy:
+    """Skip gradient spikes, and clip to a threshold that follows the norm's history.
+
+    Each step's total gradient norm (and loss, when given) is compared with its history: an
+    exponential moving average of its mean and variance (``history="ema"``, ZClip's, with
+    ``alpha``) or the mean and standard deviation of the last ``window`` values
+    (``history="window"``, OLMo-core's). Two modes, which combine:
+
+    - **skip** (on by default): a step whose norm, or loss, lies more than ``skip_sigma``
+      standard deviations above the mean, or whose norm exceeds ``skip_above`` (Megatron-LM's
+      fixed threshold), is skipped on every rank by the ``GradScaler`` the policy was given to.
+    - **adaptive clip** (``adaptive_clip="zscore"`` or ``"mean"``): a norm more than ``clip_z``
+      standard deviations above the mean is clipped to ``mean + clip_z**2 * std / z`` (ZClip's
+      "adaptive_scaling") or to the mean, under the fixed ``max_norm`` of the call if one is given.
+
+    Every statistic is a function of values that are the same bits on every rank (this package's
+    norm, the loss averaged over the world), so every rank takes the same decision without a
+    collective of its own, and on a GPU nothing is read back to the host: the decision reaches a
+    fused optimizer on the device, as the scaler's non-finite skip does. A step skipped as a spike
+    or for a NaN or inf, and a step during which a value is not finite, enters no history; the
+    first ``warmup`` values decide nothing. A spike is not an overflow: the fp16 loss scale stays
+    as it is (its growth interval counts the step, whose gradients were finite).
+
+    Defaults and their sources: ``skip_sigma=6`` and ``window=128`` (OLMo-core's skipped steps),
+    ``alpha=0.97``, ``clip_z=2.5`` and a warm-up of 25 steps for the moving average (ZClip, Kumar
+    et al. 2025); the window's warm-up is half the window, as OLMo-core's.
+
+    Args:
+        skip: skip the steps whose norm or loss z-score exceeds ``skip_sigma``. Default: True.
+        skip_sigma: the z-score above which a step is skipped. Default: 6.
+        skip_above: also skip every step whose norm exceeds this number, or None.
+        adaptive_clip: ``"zscore"``, ``"mean"`` or None (no adaptive clip). Default: None.
+        clip_z: the z-score above which the adaptive clip clips. Default: 2.5.
+        history: ``"ema"`` or ``"window"``. Default: ``"ema"``.
+        alpha: the moving average's decay, in (0, 1). Default: 0.97.
+        window: how many past values the window keeps, at least 2. Default: 128.
+        warmup: how many values enter a history before it decides. Default: 25 (``"ema"``), or
+            half the window (``"window"``).
+        eps: added to the standard deviation in every z-score. Default: 1e-6.
+
+    Raises:
+        TypeError, ValueError: an argument has the wrong type or is out of its range (a negative
+            threshold, a window of 0, a non-finite alpha), naming it.
+    """
+
+    def __init__(
+        self,
+        *,
+        skip: bool = True,
+        skip_sigma: float = 6.0,
+        skip_above: float | None = None,
+        adaptive_clip: str | None = None,
+        clip_z: float = 2.5,
+        history: str = "ema",
+        alpha: float = 0.97,
+        window: int = 128,
+        warmup: int | None = None,
+        eps: float = 1e-6,
+    ) -> None:
+        self.settings = _spikes.checked_settings(
+            skip, skip_sigma, skip_above, adaptive_clip, clip_z, history, alpha, window, warmup, eps
+        )
+        self._state: _spikes.SpikeState | None = None
+        self._pending: _spikes.Decision | None = None
+        self._last: _spikes.Decision | None = None
+        self._scaler: object | None = None
+
+    @property
+    def skips(self) -> bool:
+        """Whether the policy may skip a step (a z-score skip or ``skip_above``)."""
+        return self.settings.skip or self.settings.skip_above is not None
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self,
+        parameters: TensorOrTensors | nn.Module | Iterable[tuple[str, Tensor]],
+        max_norm: float | None = None,
+        norm_type: float | str = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+        *,
+        loss: Tensor | float | None = None,
+        pp_group: GroupLike = None,
+        distinct_along: DistinctAlong | None = None,
+        dtype: torch.dtype | None = None,
+        check: bool | None = None,
+        groups: Mapping[str, float] | None = None,
+    ) -> Tensor:
+        """Take the step's norm, decide on it, and clip: in place of
+        :func:`credit.parallel.collectives.clip_grad_norm_`, once per optimizer step, on every
+        rank, after ``scaler.unscale_`` and before ``scaler.step``.
+
+        The norm is :func:`~credit.parallel.collectives.clip_grad_norm_`'s, in its one
+        collective (which also answers the scaler's non-finite check); a ``loss`` adds one small
+        all_reduce (its average over the world: riding on the norm's collective would move the
+        norm's bits). The gradients are then scaled by ``min(bound / (norm + 1e-6), 1)``, where
+        the bound is ``max_norm``, the adaptive threshold, or the lower of the two; with neither,
+        nothing is clipped. Nothing is read back to the host.
+
+        Args:
+            parameters: as for :func:`~credit.parallel.collectives.clip_grad_norm_`.
+            max_norm: a fixed bound of the clip (a number), or None for none.
+            norm_type, error_if_nonfinite, foreach, pp_group, distinct_along, dtype, check: as for
+                :func:`~credit.parallel.collectives.clip_grad_norm_`.
+            loss: this rank's loss (a tensor of one element, or a number), averaged over the
+                world and tested as the norm is; give it on every rank or on none (under
+                pipeline stages, 0 where a stage has none: a z-score does not change with the
+                scale).
+            groups: the step's :func:`~credit.parallel.norm_report.grad_norm_report`, whose
+                largest groups the report of a skipped spike names.
+
+        Returns:
+            The total norm of the gradients before clipping, as the clip returns it.
+
+        Raises:
+            TypeError, ValueError, RuntimeError: as
+                :func:`~credit.parallel.collectives.clip_grad_norm_`; ``max_norm`` is not a
+                number or ``loss`` not a number or a tensor of one element (ValueError or
+                TypeError); the policy skips steps and no ``GradScaler`` holds it, or it was
+                called twice since the scaler's ``update()`` (RuntimeError). Each is raised
+                before any collective, with no gradient modified.
+        """
+        ceiling = _ceiling(max_norm)
+        _check_loss(loss)
+        self._begin_step()
+        params, names = _inputs.parameter_list(parameters)
+        grads = [grad for p in params if (grad := p.grad) is not None]
+        if params and not grads:
+            _inputs.warn_no_grads(params, "SpikePolicy.clip_grad_norm_")
+        request = _norm.norm_request(
+            grads,
+            "SpikePolicy.clip_grad_norm_",
+            norm_type,
+            error_if_nonfinite,
+            foreach,
+            pp_group,
+            distinct_along,
+            dtype,
+            check,
+            False,
+            label=functools.partial(_inputs.parameter_label, params, names),
+        )
+        reduced = _norm.reduce(request)
+        total = reduced.total
+        state = self._state_on(total.device)
+        observed = _spikes.Observed(
+            total.float(), _world_loss(loss, total.device), ceiling, groups, state.steps + 1
+        )
+        decision = _spikes.decide(self.settings, state.norms, state.losses, observed)
+        if decision.bound is not None:
+            bound = _inputs.clip_bound(decision.bound)
+            _norm.scale_(reduced.local, reduced.stacking.groups, total, bound, foreach)
+        self._state = replace(state, steps=observed.step)
+        self._pending = self._last = decision
+        return total
+
+    # --- what the trainer may read ---------------------------------------------------------
+
+    def metrics(self) -> dict[str, Tensor]:
+        """The last step's figures, as device scalars (no host read): ``norm``, ``norm_z``,
+        ``skip_limit`` (the norm above which it would have been skipped), ``clip_bound`` (the
+        clip's ``max_norm``, inf for none), ``spike`` (1.0 when it was decided a spike), and
+        ``loss`` and ``loss_z`` where a loss was given. Empty before the first step."""
+        decision = self._last
+        if decision is None:
+            return {}
+        observed = decision.observed
+        bound = decision.bound if decision.bound is not None else float("inf")
+        figures = {
+            "norm": observed.norm,
+            "norm_z": decision.norm_z,
+            "skip_limit": decision.skip_limit,
+            "clip_bound": torch.as_tensor(bound, dtype=torch.float32, device=observed.norm.device),
+            "spike": decision.spike.float(),
+        }
+        if observed.loss is not None and decision.loss_z is not None:
+            figures.update(loss=observed.loss, loss_z=decision.loss_z)
+        return figures
+
+    @property
+    def skipped_spikes(self) -> int:
+        """How many steps were skipped as spikes (reads the device)."""
+        return self._skipped(_spikes.SPIKE)
+
+    @property
+    def skipped_non_finite(self) -> int:
+        """How many steps seen by the policy were skipped for a NaN or inf (reads the device)."""
+        return self._skipped(_spikes.NON_FINITE)
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The histories and counts (CPU tensors and numbers, the same on every rank), and the
+        settings they only fit; a stateful object of ``torch.distributed.checkpoint``. Call it
+        after the scaler's ``update()``.
+
+        Raises:
+            RuntimeError: a step is still undecided (called between the clip and ``update()``).
+        """
+        self._settle_alone()
+        if self._pending is not None:
+            raise RuntimeError(
+                "SpikePolicy.state_dict() was called between clip_grad_norm_ and the "
+                "GradScaler's update(): call it after update(), so the step is in the state"
+            )
+        state = self._state or _spikes.initial(self.settings, torch.device("cpu"))
+        return _spikes.state_dict(self.settings, state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from a state of :meth:`state_dict`: the decisions of a run resumed at step k are
+        those of the run that went straight through.
+
+        Raises:
+            ValueError: the state was saved under another ``history``, ``window`` or ``warmup``,
+                or an entry is missing.
+        """
+        self._state = _spikes.loaded(self.settings, state_dict)
+        self._pending = self._last = None
+
+    # --- the GradScaler's side -------------------------------------------------------------
+
+    def _held_by(self, scaler: object) -> None:
+        if self._scaler is not None and self._scaler is not scaler:
+            raise ValueError("this SpikePolicy is already held by another GradScaler")
+        self._scaler = scaler
+
+    def _skip_flag(self) -> Tensor | None:
+        """1.0 when the undecided step is a spike, 0.0 when not; None without one."""
+        return None if self._pending is None else self._pending.spike.float()
+
+    def _report_spike(self) -> None:
+        if self._pending is not None:
+            _spikes.report_spike(self.settings, self._pending)
+
+    def _settle(self, non_finite: Tensor | None) -> None:
+        """Enter the undecided step, which the world's ``non_finite`` answer skipped or not."""
+        if self._pending is None or self._state is None:
+            return
+        self._state = _spikes.settled(self.settings, self._state, self._pending, non_finite)
+        self._pending = None
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _begin_step(self) -> None:
+        if self._scaler is None and self.skips:
+            raise RuntimeError(
+                "a SpikePolicy that skips steps decides for a GradScaler: build it with "
+                "GradScaler(..., spikes=policy) (scaling=False for bf16 or float32), or pass "
+                "skip=False and no skip_above for an adaptive clip alone"
+            )
+        if self._pending is not None and self._scaler is not None:
+            raise RuntimeError(
+                "SpikePolicy.clip_grad_norm_ was called twice since the GradScaler's last "
+                "update(): call it once per optimizer step"
+            )
+        self._settle_alone()
+
+    def _settle_alone(self) -> None:
+        """Without a scaler, a step is settled by the next (only a non-finite norm skips it)."""
+        if self._scaler is None:
+            self._settle(None)
+
+    def _state_on(self, device: torch.device) -> _spikes.SpikeState:
+        if self._state is None:
+            return _spikes.initial(self.settings, device)
+        return self._state.on(device)
+
+    def _skipped(self, cause: int) -> int:
+        self._settle_alone()
+        return 0 if self._state is None else int(self._state.skipped[cause].item())
+
+
+def _ceiling(max_norm: object) -> float | None:
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, Tensor):
+        raise TypeError("SpikePolicy's max_norm must be a number (or None), got a tensor")
+    bound = _inputs.clip_bound(max_norm)
+    assert isinstance(bound, float)
+    return bound
+
+
+def _check_loss(loss: object) -> None:
+    if loss is None:
+        return
+    if isinstance(loss, Tensor):
+        if loss.numel() != 1:
+            raise ValueError(f"loss must hold one element, got shape {tuple(loss.shape)}")
+        if not (loss.is_floating_point() or loss.dtype in (torch.int32, torch.int64)):
+            raise TypeError(f"loss must be a real number, got a {loss.dtype} tensor")
+    elif isinstance(loss, bool) or not isinstance(loss, (int, float)):
+        raise TypeError(f"loss must be a tensor of one element or a number, got {loss!r}")
+
+
+def _world_loss(loss: Tensor | float | None, device: torch.device) -> Tensor | None:
+    """``loss`` averaged over the world, a float32 scalar on ``device`` (one all_reduce)."""
+    if loss is None:
+        return None
+    value = torch.as_tensor(loss).detach().reshape(()).to(device, torch.float32, copy=True)
+    _averaging.average_tensor(value, None)
+    return value
