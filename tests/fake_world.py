@@ -29,6 +29,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
 from credit.parallel.replicas import verify_replicas
+from credit.parallel.spikes import SpikePolicy
 
 # Averaging: 30 replicated grads of 100 fp32 (400 bytes) in buckets of 1000 bytes (250 floats)
 # take 2 per bucket, plus one contiguous grad of 300 floats, reduced alone (>= the cap).
@@ -65,16 +66,23 @@ def mixed_grads(world_mesh: DeviceMesh, blocks: int = 20, width: int = 16) -> li
     return grads
 
 
-def _amp_step(params: list[nn.Parameter]) -> Callable[[], None]:
-    """The trainer's AMP sequence on ``params``: unscale_, clip_grad_norm_, step, update."""
+def _amp_step(params: list[nn.Parameter], spikes: str | None = None) -> Callable[[], None]:
+    """The trainer's AMP sequence on ``params``: unscale_, clip_grad_norm_, step, update; with
+    ``spikes`` (``"norm"`` or ``"loss"``), a spike policy's clip in place of the clip, given the
+    loss or not."""
     # The per-tensor loop: torch's foreach AdamW refuses plain tensors beside DTensors.
     optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=False)
-    scaler = GradScaler("cpu")
-    scaler.scale(torch.ones(()))
+    policy = SpikePolicy(adaptive_clip="zscore", warmup=1) if spikes else None
+    scaler = GradScaler("cpu", spikes=policy)
+    loss = torch.ones(())
+    scaler.scale(loss)
 
     def step() -> None:
         scaler.unscale_(optimizer)
-        clip_grad_norm_(params, 1.0)
+        if policy is None:
+            clip_grad_norm_(params, 1.0)
+        else:
+            policy.clip_grad_norm_(params, 1.0, loss=loss if spikes == "loss" else None)
         scaler.step(optimizer)
         scaler.update()
 
@@ -144,6 +152,7 @@ def counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
 
         pipeline_first, pipeline_later = _count_with_pipeline(dp, tp)
         amp_step = _amp_step(params)
+        spike_step, spike_step_with_loss = _amp_step(params, "norm"), _amp_step(params, "loss")
         replicas_check = _replicas_check(params)
         return {
             # A control that the counting sees DTensor's own collectives: torch's norm of the
@@ -162,6 +171,8 @@ def counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
             # The clip's all_reduce carries the GradScaler's answer: nothing else is issued
             # (the clip above verified the layout).
             "AMP step (unscale_, clip, step, update)": count(amp_step),
+            "AMP step with a SpikePolicy": count(spike_step),
+            "AMP step with a SpikePolicy given the loss": count(spike_step_with_loss),
             # Under pp_group: the norm, then the verification, and once per pp group the
             # stages' lowest ranks.
             "first call with pp_group": pipeline_first,

@@ -59,6 +59,7 @@ from credit.parallel.collectives import total_grad_norm as _total_grad_norm
 from credit.parallel.grad_sync import sync_domain_gradients, sync_replicated_gradients
 from credit.parallel.norm_report import grad_norm_report
 from credit.parallel.replicas import verify_replicas
+from credit.parallel.spikes import SpikePolicy
 
 WORLD = 4
 CALLS = 3  # the first call of a layout, then two at steady state
@@ -292,11 +293,11 @@ def _nonfinite_raised(layout: str, world: World) -> Call:
     return raises
 
 
-def _scaler(device: str, scaling: bool) -> GradScaler:
+def _scaler(device: str, scaling: bool, spikes: SpikePolicy | None = None) -> GradScaler:
     """A GradScaler on ``device``: torch's constructor disables a "cuda" scaler without CUDA,
     which the fake world lacks."""
     with mock.patch.object(torch.cuda, "is_available", return_value=True):
-        return GradScaler(device, scaling=scaling)
+        return GradScaler(device, scaling=scaling, spikes=spikes)
 
 
 def _amp_step(
@@ -308,16 +309,20 @@ def _amp_step(
     scaling: bool = True,
 ) -> Call:
     """The trainer's step: ``unscale_``, a norm or clip while the flag is pending, ``step``,
-    ``update``."""
+    ``update``. ``norm="spikes"``: a spike policy's clip (skip and adaptive clip, a loss)."""
     params = world.params(layout)
     optimizer = _adamw(params, optimizer_kind)
-    scaler = _scaler(world.device, scaling)
-    scaler.scale(torch.ones((), device=world.device))  # places the scale on the device
+    spikes = SpikePolicy(adaptive_clip="zscore", warmup=1) if norm == "spikes" else None
+    scaler = _scaler(world.device, scaling, spikes)
+    loss = world.tensor(1)
+    scaler.scale(loss)  # places the scale on the device
     pp_group = world.pp_dp["pp"] if layout == "pp" else None
 
     def step() -> Tensor:
         scaler.unscale_(optimizer)
-        if norm == "clip":
+        if spikes is not None:
+            total = spikes.clip_grad_norm_(params, 1.0, loss=loss, pp_group=pp_group)
+        elif norm == "clip":
             total = clip_grad_norm_(params, 1.0, pp_group=pp_group)
         else:
             total = _total_grad_norm([p.grad for p in params], pp_group=pp_group)
@@ -482,6 +487,26 @@ ROWS: tuple[Row, ...] = (
     Row(
         "GradScaler foreach AdamW: unscale_, clip, step, update",
         partial(_amp_step, "dtensors", "foreach", "clip"),
+        reads=1,
+    ),
+    # A spike policy decides on the device: its skip reaches a fused optimizer as the non-finite
+    # answer does, and its histories take the step in at update(), without a read.
+    Row(
+        "GradScaler + SpikePolicy fused AdamW: unscale_, policy clip with a loss, step, update",
+        partial(_amp_step, "dtensors", "fused", "spikes"),
+    ),
+    Row(
+        "GradScaler(scaling=False) + SpikePolicy fused AdamW (FSDP2)",
+        partial(_amp_step, "fsdp", "fused", "spikes", scaling=False),
+    ),
+    Row(
+        "GradScaler + SpikePolicy fused AdamW with pp_group",
+        partial(_amp_step, "pp", "fused", "spikes"),
+        reads=1,
+    ),
+    Row(
+        "GradScaler + SpikePolicy foreach AdamW",
+        partial(_amp_step, "dtensors", "foreach", "spikes"),
         reads=1,
     ),
     Row("allreduce_grads_avg plain, 25 MiB buckets", partial(_average, "buckets", 25.0)),

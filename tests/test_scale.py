@@ -67,11 +67,19 @@ def test_first_call_with_pp_group_at_1024_ranks(counts, rank):
         "clip_grad_norm_",
         "total_grad_norm with pp_group",
         "AMP step (unscale_, clip, step, update)",
+        "AMP step with a SpikePolicy",
         "verify_replicas (parameters and AdamW state)",
     ],
 )
 def test_one_collective_per_call_on_mixed_meshes_at_1024_ranks(counts, call, rank):
     assert counts[rank][call] == 1
+
+
+@pytest.mark.parametrize("rank", ["first", "last"])
+def test_a_spike_policy_given_the_loss_adds_one_all_reduce_at_1024_ranks(counts, rank):
+    # The loss's average over the world: it cannot ride in the norm's all_reduce without moving
+    # the norm's bits (one more element moves gloo's chunking).
+    assert counts[rank]["AMP step with a SpikePolicy given the loss"] == 2
 
 
 @pytest.mark.parametrize("rank", ["first", "last"])

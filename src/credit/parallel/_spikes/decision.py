@@ -43,8 +43,8 @@ class Decision:
 
     Attributes:
         observed: what the step showed.
-        norm_z: the norm's z-score against its history (meaningless during the warm-up).
-        loss_z: the loss's z-score, or None without a loss.
+        norm_z: the norm's z-score against its history (NaN during the warm-up).
+        loss_z: the loss's z-score (NaN during its warm-up), or None without a loss.
         spike: whether to skip the step: an outlier, with a finite norm and loss (a bool scalar).
         skip_limit: the norm above which the step is skipped (inf while nothing can be).
         bound: the ``max_norm`` the step's clip uses (inf: no clipping), or None when the policy
@@ -83,7 +83,8 @@ def decide(
         skip_limit = skip_limit.clamp(max=settings.skip_above)
     finite = torch.isfinite(norm)
     loss_z = None
-    if observed.loss is not None and losses is not None:
+    if observed.loss is not None:
+        losses = _history.empty(settings, norm.device) if losses is None else losses
         loss_moments = _history.moments(settings, losses)
         loss_z = _history.zscore(settings, loss_moments, observed.loss)
         if settings.skip:

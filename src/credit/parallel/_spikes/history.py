@@ -16,6 +16,7 @@ are tensors, never read on the host.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -85,8 +86,10 @@ def moments(settings: SpikeSettings, history: ValueHistory) -> Moments:
 
 
 def zscore(settings: SpikeSettings, moments: Moments, value: Tensor) -> Tensor:
-    """How many standard deviations ``value`` lies above the mean (``eps`` added to the std)."""
-    return (value - moments.mean) / (moments.std + settings.eps)
+    """How many standard deviations ``value`` lies above the mean (``eps`` added to the std);
+    NaN until the warm-up is over."""
+    z = (value - moments.mean) / (moments.std + settings.eps)
+    return torch.where(moments.ready, z, math.nan)
 
 
 def entered(

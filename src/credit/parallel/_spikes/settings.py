@@ -39,6 +39,8 @@ class SpikeSettings:
 
     def fingerprint(self) -> dict[str, object]:
         """The settings a saved history only fits when they are the same."""
+        if self.history == "ema":
+            return {"history": self.history, "warmup": self.warmup}
         return {"history": self.history, "window": self.window, "warmup": self.warmup}
 
 

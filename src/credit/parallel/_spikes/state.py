@@ -90,11 +90,11 @@ def loaded(settings: SpikeSettings, saved: dict[str, Any]) -> SpikeState:
             missing.
     """
     fingerprint = settings.fingerprint()
-    differ = {k: saved.get(k) for k, v in fingerprint.items() if saved.get(k) != v}
-    if differ:
+    theirs = {key: saved[key] for key in ("history", "window", "warmup") if key in saved}
+    if theirs != fingerprint:
         raise ValueError(
-            f"the SpikePolicy state was saved with {differ} and is loaded into a policy with "
-            f"{ {k: fingerprint[k] for k in differ} }: build the policy with the saved settings"
+            f"the SpikePolicy state was saved with {theirs} and is loaded into a policy with "
+            f"{fingerprint}: build the policy with the saved settings"
         )
     try:
         losses = saved.get("losses")

@@ -1,0 +1,289 @@
+"""The spike policy in one process: its decisions and thresholds against a float64 computation of
+the published formulas, its arguments, its state, and its steps taken or skipped by the scaler.
+
+The oracle below is written from the formulas, not from the code: ZClip's (Kumar et al. 2025) for
+the moving average (warm-up mean and population variance, ``mean = a*mean + (1-a)*x``,
+``var = a*var + (1-a)*(x - mean)**2`` with the new mean; clipping to
+``mean + z_c**2 * std / z`` or to the mean above ``z_c``; the clipped value enters), OLMo-core's
+for the window (mean and sample standard deviation of the last values). Each step's norm is the
+norm of a one-element gradient, exactly the value fed in (float32). The policy computes in
+float32: its thresholds match the oracle's to a relative 2e-6 (a few float32 roundings of a
+moving average that forgets at 0.97), and its decisions match exactly on sequences whose
+z-scores stay clear of the limits by more than that rounding (asserted).
+
+Multi-rank behaviour (layouts, fp16, resume at ranks) is in ``test_spikes_layouts.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from credit.parallel.amp import GradScaler
+from credit.parallel.spikes import SpikePolicy
+
+RTOL = 2e-6
+MARGIN = 1e-3  # relative distance of every oracle z-score from a limit
+
+
+def _norms(steps: int = 160, spikes: tuple[int, ...] = (40, 90, 91, 130)) -> list[float]:
+    """A drifting, noisy norm with planted spikes (fixed seed)."""
+    rng = random.Random(0)
+    values = []
+    for step in range(steps):
+        value = (1.0 + 0.5 * math.sin(step / 25)) * math.exp(rng.gauss(0.0, 0.15))
+        values.append(value * (30.0 if step in spikes else 1.0))
+    return values
+
+
+def _same_figures(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """The same figures, bit for bit (NaN z-scores of the warm-up included)."""
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)) for k in a
+    )
+
+
+class _Oracle:
+    """The published formulas in float64: what each step decides."""
+
+    def __init__(self, policy: SpikePolicy, ceiling: float | None) -> None:
+        self.s = policy.settings
+        self.ceiling = math.inf if ceiling is None else ceiling
+        self.taken: list[float] = []
+        self.mean = self.var = 0.0
+        self.zs: list[float] = []
+
+    def step(self, norm: float) -> tuple[bool, float]:
+        s = self.s
+        ready = len(self.taken) >= s.warmup
+        mean, std = self._moments()
+        z = (norm - mean) / (std + s.eps) if ready else -math.inf
+        if ready:
+            self.zs.append(z)
+        spike = (s.skip and ready and z > s.skip_sigma) or (
+            s.skip_above is not None and norm > s.skip_above
+        )
+        threshold, entering = math.inf, norm
+        if s.adaptive_clip and ready and z > s.clip_z:
+            threshold = mean if s.adaptive_clip == "mean" else mean + s.clip_z**2 * std / z
+            entering = threshold
+        if not spike:
+            self._enter(entering)
+        return spike, min(threshold, self.ceiling)
+
+    def _moments(self) -> tuple[float, float]:
+        if self.s.history == "ema":
+            return self.mean, math.sqrt(self.var)
+        window = self.taken[-self.s.window :]
+        mean = sum(window) / len(window) if window else 0.0
+        var = sum((x - mean) ** 2 for x in window) / max(len(window) - 1, 1)
+        return mean, math.sqrt(var)
+
+    def _enter(self, value: float) -> None:
+        self.taken.append(value)
+        a = self.s.alpha
+        if self.s.history == "ema" and len(self.taken) == self.s.warmup:
+            self.mean = sum(self.taken) / len(self.taken)
+            self.var = sum((x - self.mean) ** 2 for x in self.taken) / len(self.taken)
+        elif self.s.history == "ema" and len(self.taken) > self.s.warmup:
+            self.mean = a * self.mean + (1 - a) * value
+            self.var = a * self.var + (1 - a) * (value - self.mean) ** 2
+
+
+class _Run:
+    """One parameter whose gradient is set to each norm in turn, stepped through a scaler."""
+
+    def __init__(self, policy: SpikePolicy, fused: bool = False, scaled: bool = True) -> None:
+        self.policy = policy
+        self.param = nn.Parameter(torch.zeros(1))
+        self.optimizer = torch.optim.SGD([self.param], lr=1.0, fused=fused or None)
+        self.scaler = GradScaler("cpu", scaling=False, spikes=policy) if scaled else None
+
+    def step(self, norm: float, max_norm: float | None = None, loss: float | None = None):
+        self.param.grad = torch.tensor([norm], dtype=torch.float32)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        total = self.policy.clip_grad_norm_([self.param], max_norm, loss=loss)
+        clipped = self.param.grad.clone()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        return total, clipped
+
+
+SETTINGS = {
+    "zclip zscore": (dict(skip=False, adaptive_clip="zscore"), None),
+    "zclip mean, ceiling": (dict(skip=False, adaptive_clip="mean"), 2.5),
+    "ema skip": (dict(skip_sigma=4.0, warmup=10), None),
+    "ema skip + zscore clip": (dict(skip_sigma=5.0, adaptive_clip="zscore"), 3.0),
+    "window skip": (dict(history="window", window=32, skip_sigma=4.0), None),
+    "window + fixed skip": (dict(history="window", window=16, warmup=4, skip_above=20.0), None),
+}
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_decisions_and_thresholds_match_the_published_formulas_in_float64(name):
+    arguments, ceiling = SETTINGS[name]
+    policy = SpikePolicy(**arguments)
+    oracle = _Oracle(policy, ceiling)
+    run = _Run(policy, scaled=policy.skips)
+    decided = []
+    for norm in _norms():
+        spike, bound = oracle.step(norm)
+        total, clipped = run.step(norm, ceiling)
+        figures = policy.metrics()
+        assert float(total) == float(torch.tensor(norm, dtype=torch.float32))
+        assert bool(figures["spike"]) is spike
+        assert float(figures["clip_bound"]) == pytest.approx(bound, rel=RTOL)
+        expected = float(torch.tensor(norm, dtype=torch.float32)) * min(bound / (norm + 1e-6), 1)
+        assert float(clipped) == pytest.approx(expected, rel=RTOL)
+        decided.append(spike)
+    limits = [policy.settings.skip_sigma, policy.settings.clip_z]
+    assert all(abs(z - limit) > MARGIN * limit for z in oracle.zs for limit in limits)
+    assert policy.skipped_spikes == sum(decided)
+    if policy.skips:
+        assert run.scaler is not None and run.scaler.skipped_steps == sum(decided)
+    assert any(decided) == policy.skips  # the planted spikes are caught where the policy skips
+
+
+def test_a_skipped_spike_leaves_the_weights_and_warns_on_rank_0(caplog):
+    run = _Run(SpikePolicy(warmup=5), fused=True)  # fused: the skip taken on the device
+    for norm in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95]:
+        run.step(norm)
+    before = run.param.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="credit.parallel.spikes"):
+        run.step(100.0)
+    assert torch.equal(run.param.detach(), before)
+    assert run.scaler is not None and run.scaler.last_step_skipped
+    assert caplog.messages == []  # a fused optimizer's skip reads nothing back, so no report
+    run = _Run(SpikePolicy(warmup=5))
+    for norm in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95]:
+        run.step(norm, loss=norm)
+    with caplog.at_level(logging.WARNING, logger="credit.parallel.spikes"):
+        run.step(100.0, loss=3.0)
+    (message,) = caplog.messages
+    assert message.startswith("SpikePolicy skipped step 7 as a spike: gradient norm 100")
+    assert "; loss 3 (z-score " in message
+
+
+def test_state_dict_resumes_with_the_decisions_of_a_straight_run():
+    arguments = dict(adaptive_clip="zscore")
+    straight, first = _Run(SpikePolicy(**arguments)), _Run(SpikePolicy(**arguments))
+    norms = _norms(80, spikes=(30, 60))
+    for norm in norms[:40]:
+        straight.step(norm, loss=norm / 2)
+        first.step(norm, loss=norm / 2)
+    saved = first.policy.state_dict()
+    resumed = _Run(SpikePolicy(**arguments))
+    resumed.policy.load_state_dict(saved)
+    for norm in norms[40:]:
+        straight.step(norm, loss=norm / 2)
+        resumed.step(norm, loss=norm / 2)
+        assert _same_figures(straight.policy.metrics(), resumed.policy.metrics())
+    assert straight.policy.skipped_spikes == resumed.policy.skipped_spikes == 2  # 30 and 60
+    with pytest.raises(
+        ValueError,
+        match=re.escape("saved with {'history': 'ema', 'warmup': 25} and is loaded into a policy"),
+    ):
+        SpikePolicy(history="window", window=64).load_state_dict(saved)
+
+
+def test_two_policies_never_touch_each_other():
+    arguments = dict(adaptive_clip="zscore")
+    alone = [_Run(SpikePolicy(**arguments)) for _ in range(2)]
+    together = [_Run(SpikePolicy(**arguments)) for _ in range(2)]
+    for step, norm in enumerate(_norms(40, spikes=(30,))):
+        norms = (norm, norm * (3.0 if step % 3 else 2.0) / (30.0 if step == 30 else 1.0))
+        for run, value in zip(alone, norms, strict=True):
+            run.step(value)
+        # Interleaved within the step: both unscale, both clip, both step, both update.
+        for run, value in zip(together, norms, strict=True):
+            run.param.grad = torch.tensor([value])
+            run.scaler.unscale_(run.optimizer)  # type: ignore[union-attr]
+        for run in together:
+            run.policy.clip_grad_norm_([run.param])
+        for run in together:
+            run.scaler.step(run.optimizer)  # type: ignore[union-attr]
+        for run in together:
+            run.scaler.update()  # type: ignore[union-attr]
+        for a, b in zip(alone, together, strict=True):
+            assert _same_figures(a.policy.metrics(), b.policy.metrics())
+            assert torch.equal(a.param, b.param)
+    assert [r.policy.skipped_spikes for r in together] == [r.policy.skipped_spikes for r in alone]
+    assert together[0].policy.skipped_spikes == 1 and together[1].policy.skipped_spikes == 0
+
+
+@pytest.mark.parametrize(
+    "arguments, error, match",
+    [
+        (dict(skip_sigma=-1.0), ValueError, "skip_sigma must be a finite number > 0"),
+        (dict(skip_above=0.0), ValueError, "skip_above must be a finite number > 0"),
+        (dict(clip_z=math.inf), ValueError, "clip_z must be finite"),
+        (dict(alpha=math.nan), ValueError, "alpha must be finite"),
+        (dict(alpha=1.0), ValueError, r"alpha must be in \(0, 1\)"),
+        (dict(history="window", window=0), ValueError, "window must be at least 2"),
+        (dict(window=2.5), TypeError, "window must be an int"),
+        (dict(warmup=0), ValueError, "warmup must be at least 1"),
+        (dict(history="window", window=8, warmup=9), ValueError, r"warmup \(9\) must not exceed"),
+        (dict(history="median"), ValueError, "history must be one of 'ema', 'window'"),
+        (dict(adaptive_clip="value"), ValueError, "adaptive_clip must be one of"),
+        (dict(skip=1), TypeError, "skip must be a bool"),
+        (dict(eps=-1e-6), ValueError, "eps must be a finite number >= 0"),
+    ],
+)
+def test_bad_arguments_raise_naming_the_argument(arguments, error, match):
+    with pytest.raises(error, match=match):
+        SpikePolicy(**arguments)
+
+
+def test_bad_calls_raise_before_any_gradient_is_modified():
+    param = nn.Parameter(torch.zeros(3))
+    param.grad = torch.full((3,), 5.0)
+    with pytest.raises(RuntimeError, match=r"GradScaler\(..., spikes=policy\)"):
+        SpikePolicy().clip_grad_norm_([param], 1.0)
+    policy = SpikePolicy(skip=False, adaptive_clip="zscore")
+    with pytest.raises(TypeError, match="max_norm must be a number"):
+        policy.clip_grad_norm_([param], torch.tensor(1.0))
+    with pytest.raises(ValueError, match="loss must hold one element"):
+        policy.clip_grad_norm_([param], 1.0, loss=torch.ones(2))
+    with pytest.raises(TypeError, match="loss must be a tensor of one element or a number"):
+        policy.clip_grad_norm_([param], 1.0, loss="1.0")
+    assert torch.equal(param.grad, torch.full((3,), 5.0)) and policy.metrics() == {}
+    run = _Run(SpikePolicy())
+    run.step(1.0)
+    run.scaler.unscale_(run.optimizer)  # type: ignore[union-attr]
+    run.policy.clip_grad_norm_([run.param])
+    with pytest.raises(RuntimeError, match="called twice since the GradScaler's last update"):
+        run.policy.clip_grad_norm_([run.param])
+    with pytest.raises(RuntimeError, match="call it after update"):
+        run.policy.state_dict()
+    with pytest.raises(ValueError, match="already held by another GradScaler"):
+        GradScaler("cpu", scaling=False, spikes=run.policy)
+    with pytest.raises(TypeError, match="spikes must be a SpikePolicy"):
+        GradScaler("cpu", scaling=False, spikes=object())
+
+
+def test_a_spike_keeps_the_fp16_scale_and_a_non_finite_step_enters_no_history():
+    policy = SpikePolicy(warmup=4)
+    param = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scaler = GradScaler("cpu", init_scale=8.0, growth_interval=1000, spikes=policy)
+    scales, counts = [], []
+    for norm in [1.0, 1.2, 0.8, 1.1, 0.9, 1e3, math.inf, 1.0]:
+        scaler.scale(torch.ones(()))
+        param.grad = torch.tensor([norm * scaler.get_scale()])
+        scaler.unscale_(optimizer)
+        policy.clip_grad_norm_([param])
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        counts.append(int(policy.state_dict()["norms"]["count"]))
+    assert scales == [8.0] * 6 + [4.0, 4.0]  # the spike keeps the scale; the inf backs it off
+    assert counts == [1, 2, 3, 4, 5, 5, 5, 6]  # neither the spike nor the inf entered
+    assert (policy.skipped_spikes, policy.skipped_non_finite, scaler.skipped_steps) == (1, 1, 2)
