@@ -235,6 +235,7 @@ def test_two_policies_never_touch_each_other():
         (dict(adaptive_clip="value"), ValueError, "adaptive_clip must be one of"),
         (dict(skip=1), TypeError, "skip must be a bool"),
         (dict(eps=-1e-6), ValueError, "eps must be a finite number >= 0"),
+        (dict(restart_after=0), ValueError, "restart_after must be at least 1"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(arguments, error, match):
@@ -287,3 +288,18 @@ def test_a_spike_keeps_the_fp16_scale_and_a_non_finite_step_enters_no_history():
     assert scales == [8.0] * 6 + [4.0, 4.0]  # the spike keeps the scale; the inf backs it off
     assert counts == [1, 2, 3, 4, 5, 5, 5, 6]  # neither the spike nor the inf entered
     assert (policy.skipped_spikes, policy.skipped_non_finite, scaler.skipped_steps) == (1, 1, 2)
+
+
+@pytest.mark.parametrize("restart_after", [4, None])
+def test_a_new_level_restarts_the_histories_instead_of_skipping_every_step(restart_after):
+    run = _Run(SpikePolicy(warmup=5, restart_after=restart_after))
+    level = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.02, 0.98]
+    skipped = []
+    for norm in level + [10 * n for n in level * 3]:  # the norm jumps to a new level and stays
+        run.step(norm)
+        skipped.append(run.scaler.last_step_skipped)  # type: ignore[union-attr]
+    if restart_after is None:
+        assert skipped == [False] * 8 + [True] * 24 and run.policy.restarts == 0
+    else:  # 4 skipped, then a new warm-up of 5 at the new level, whose steps are taken
+        assert skipped == [False] * 8 + [True] * 4 + [False] * 20
+        assert (run.policy.restarts, run.policy.skipped_spikes) == (1, 4)

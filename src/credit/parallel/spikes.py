@@ -55,7 +55,9 @@ class SpikePolicy:
     collective of its own, and on a GPU nothing is read back to the host: the decision reaches a
     fused optimizer on the device, as the scaler's non-finite skip does. A step skipped as a spike
     or for a NaN or inf, and a step during which a value is not finite, enters no history; the
-    first ``warmup`` values decide nothing. A spike is not an overflow: the fp16 loss scale stays
+    first ``warmup`` values decide nothing. A norm (or loss) that stays out for ``restart_after``
+    steps in a row has found a new level, not a spike: the histories then start over, with a new
+    warm-up, rather than skip every step from then on. A spike is not an overflow: the fp16 loss scale stays
     as it is (its growth interval counts the step, whose gradients were finite).
 
     Defaults and their sources: ``skip_sigma=6`` and ``window=128`` (OLMo-core's skipped steps),
@@ -74,6 +76,8 @@ class SpikePolicy:
         warmup: how many values enter a history before it decides. Default: 25 (``"ema"``), or
             half the window (``"window"``).
         eps: added to the standard deviation in every z-score. Default: 1e-6.
+        restart_after: how many spikes in a row start the histories over (None: never).
+            Default: 16.
 
     Raises:
         TypeError, ValueError: an argument has the wrong type or is out of its range (a negative
@@ -93,9 +97,20 @@ class SpikePolicy:
         window: int = 128,
         warmup: int | None = None,
         eps: float = 1e-6,
+        restart_after: int | None = 16,
     ) -> None:
         self.settings = _spikes.checked_settings(
-            skip, skip_sigma, skip_above, adaptive_clip, clip_z, history, alpha, window, warmup, eps
+            skip,
+            skip_sigma,
+            skip_above,
+            adaptive_clip,
+            clip_z,
+            history,
+            alpha,
+            window,
+            warmup,
+            eps,
+            restart_after,
         )
         self._state: _spikes.SpikeState | None = None
         self._pending: _spikes.Decision | None = None
@@ -224,6 +239,12 @@ class SpikePolicy:
         """How many steps seen by the policy were skipped for a NaN or inf (reads the device)."""
         return self._skipped(_spikes.NON_FINITE)
 
+    @property
+    def restarts(self) -> int:
+        """How many times ``restart_after`` spikes in a row started the histories over (reads
+        the device)."""
+        return self._skipped(_spikes.RESTARTS)
+
     # --- checkpoints -----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -302,9 +323,9 @@ class SpikePolicy:
             return _spikes.initial(self.settings, device)
         return self._state.on(device)
 
-    def _skipped(self, cause: int) -> int:
+    def _skipped(self, count: int) -> int:
         self._settle_alone()
-        return 0 if self._state is None else int(self._state.skipped[cause].item())
+        return 0 if self._state is None else int(self._state.counts[count].item())
 
 
 def _ceiling(max_norm: object) -> float | None:

@@ -10,6 +10,7 @@ from credit.parallel._spikes.report import report_spike
 from credit.parallel._spikes.settings import SpikeSettings, checked_settings
 from credit.parallel._spikes.state import (
     NON_FINITE,
+    RESTARTS,
     SPIKE,
     SpikeState,
     initial,
@@ -20,6 +21,7 @@ from credit.parallel._spikes.state import (
 
 __all__ = [
     "NON_FINITE",
+    "RESTARTS",
     "SPIKE",
     "Decision",
     "Observed",

@@ -119,3 +119,14 @@ def entered(
         torch.where(starts, first_mean, torch.where(moves, mean, history.mean)),
         torch.where(starts, first_var, torch.where(moves, var, history.var)),
     )
+
+
+def restarted(settings: SpikeSettings, history: ValueHistory, when: Tensor) -> ValueHistory:
+    """``history`` emptied where ``when`` (a bool scalar), else unchanged."""
+    empty_history = empty(settings, history.values.device)
+    return ValueHistory(
+        *(
+            torch.where(when, fresh, kept)
+            for fresh, kept in zip(empty_history.tensors(), history.tensors(), strict=True)
+        )
+    )

@@ -24,6 +24,7 @@ class SpikeSettings:
         window: how many past values the rolling window keeps (``"window"``).
         warmup: how many values enter a history before it decides anything.
         eps: added to the standard deviation in every z-score.
+        restart_after: how many spikes in a row start the histories over, or None for never.
     """
 
     skip: bool
@@ -36,6 +37,7 @@ class SpikeSettings:
     window: int
     warmup: int
     eps: float
+    restart_after: int | None
 
     def fingerprint(self) -> dict[str, object]:
         """The settings a saved history only fits when they are the same."""
@@ -55,6 +57,7 @@ def checked_settings(
     window: int,
     warmup: int | None,
     eps: float,
+    restart_after: int | None,
 ) -> SpikeSettings:
     """The arguments of a spike policy as :class:`SpikeSettings`.
 
@@ -82,6 +85,8 @@ def checked_settings(
     _number("eps", eps)
     if eps < 0.0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    if restart_after is not None:
+        _count("restart_after", restart_after, least=1)
     return SpikeSettings(
         skip,
         float(skip_sigma),
@@ -93,6 +98,7 @@ def checked_settings(
         window,
         warmup,
         float(eps),
+        restart_after,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,7 +12,9 @@ from credit.parallel._spikes import history as _history
 from credit.parallel._spikes.decision import Decision
 from credit.parallel._spikes.settings import SpikeSettings
 
-NON_FINITE, SPIKE = 0, 1  # places in ``SpikeState.skipped``
+# Places in ``SpikeState.counts``: steps skipped for a NaN or inf, steps skipped as spikes, spikes
+# in a row until now, and restarts of the histories.
+NON_FINITE, SPIKE, IN_A_ROW, RESTARTS = range(4)
 _FIELDS = ("values", "count", "mean", "var")  # of a saved ValueHistory
 
 
@@ -23,27 +25,28 @@ class SpikeState:
     Attributes:
         norms: the history of the gradient norm.
         losses: the history of the loss, or None until a step gives one.
-        skipped: steps skipped for a NaN or inf and as spikes, an int64 pair on the device.
+        counts: steps skipped for a NaN or inf, steps skipped as spikes, spikes in a row until
+            now, and restarts of the histories: four int64 counts on the device.
         steps: how many steps the policy has seen (``clip_grad_norm_`` calls).
     """
 
     norms: _history.ValueHistory
     losses: _history.ValueHistory | None
-    skipped: Tensor
+    counts: Tensor
     steps: int
 
     def on(self, device: torch.device) -> SpikeState:
         """The same state on ``device`` (no copy where it is already there)."""
-        if self.skipped.device == device:
+        if self.counts.device == device:
             return self
         losses = None if self.losses is None else self.losses.to(device)
-        return SpikeState(self.norms.to(device), losses, self.skipped.to(device), self.steps)
+        return SpikeState(self.norms.to(device), losses, self.counts.to(device), self.steps)
 
 
 def initial(settings: SpikeSettings, device: torch.device) -> SpikeState:
     """The state of a policy that has seen nothing."""
-    skipped = torch.zeros(2, dtype=torch.int64, device=device)
-    return SpikeState(_history.empty(settings, device), None, skipped, 0)
+    counts = torch.zeros(4, dtype=torch.int64, device=device)
+    return SpikeState(_history.empty(settings, device), None, counts, 0)
 
 
 def settled(
@@ -51,7 +54,8 @@ def settled(
 ) -> SpikeState:
     """``state`` after the step of ``decision``, which the world's ``non_finite`` answer (1.0 when
     a gradient held a NaN or inf; None without a scaler) skipped or not. Only a taken step enters
-    the histories."""
+    the histories; ``restart_after`` spikes in a row start them over (the norm found a new
+    level)."""
     observed = decision.observed
     bad = ~torch.isfinite(observed.norm)
     if observed.loss is not None:
@@ -60,13 +64,21 @@ def settled(
         bad = bad | (non_finite.to(bad.device) > 0)
     spike = decision.spike & ~bad
     take = ~bad & ~spike
+    in_a_row = torch.where(spike, state.counts[IN_A_ROW] + 1, state.counts[IN_A_ROW] * bad)
+    restart = in_a_row >= (settings.restart_after or torch.iinfo(torch.int64).max)
+    counts = state.counts + torch.stack([bad, spike, spike, restart]).to(torch.int64)
+    counts[IN_A_ROW] = torch.where(restart, 0, in_a_row)
+    norms = _history.entered(settings, state.norms, decision.entering, take)
     losses = state.losses
     if observed.loss is not None:
         losses = _history.empty(settings, bad.device) if losses is None else losses
         losses = _history.entered(settings, losses, observed.loss, take)
-    skipped = state.skipped + torch.stack([bad, spike]).to(torch.int64)
-    norms = _history.entered(settings, state.norms, decision.entering, take)
-    return replace(state, norms=norms, losses=losses, skipped=skipped)
+    return SpikeState(
+        _history.restarted(settings, norms, restart),
+        None if losses is None else _history.restarted(settings, losses, restart),
+        counts,
+        state.steps,
+    )
 
 
 def state_dict(settings: SpikeSettings, state: SpikeState) -> dict[str, Any]:
@@ -74,7 +86,7 @@ def state_dict(settings: SpikeSettings, state: SpikeState) -> dict[str, Any]:
     saved: dict[str, Any] = {
         **settings.fingerprint(),
         "steps": state.steps,
-        "skipped": state.skipped.cpu(),
+        "counts": state.counts.cpu(),
         "norms": _saved(state.norms),
     }
     if state.losses is not None:
@@ -101,7 +113,7 @@ def loaded(settings: SpikeSettings, saved: dict[str, Any]) -> SpikeState:
         return SpikeState(
             _restored(saved["norms"]),
             None if losses is None else _restored(losses),
-            torch.as_tensor(saved["skipped"], dtype=torch.int64).clone(),
+            torch.as_tensor(saved["counts"], dtype=torch.int64).clone(),
             int(saved["steps"]),
         )
     except KeyError as missing:
