@@ -207,6 +207,16 @@ SHARDED_AMP = Way(
     "ShardedGradScaler + torch.nn.utils.clip_grad_norm_",
     lambda w: w.steps["sharded"],
 )
+SPIKES_AMP = Way(
+    "amp_spikes",
+    "ours with a SpikePolicy (skip + adaptive clip) in place of the clip",
+    lambda w: w.steps["spikes"],
+)
+SPIKES_LOSS_AMP = Way(
+    "amp_spikes_loss",
+    "ours with a SpikePolicy given the loss",
+    lambda w: w.steps["spikes_loss"],
+)
 NO_SCALER = Way(
     "amp_no_scaler",
     "no scaler: torch.nn.utils.clip_grad_norm_ and the step",
@@ -344,13 +354,21 @@ CASES: tuple[Case, ...] = (
         "amp",
         "AMP step",
         workloads.amp,
-        (OURS_AMP, TORCH_AMP, SHARDED_AMP, NO_SCALER),
+        (OURS_AMP, SPIKES_AMP, SPIKES_LOSS_AMP, TORCH_AMP, SHARDED_AMP, NO_SCALER),
         ratios=(
             Ratio(OURS_AMP, TORCH_AMP, 1.0, goal="no slower than torch"),
             Ratio(OURS_AMP, SHARDED_AMP, 1.0, goal="no slower than torch"),
             Ratio(OURS_AMP, NO_SCALER),
+            Ratio(SPIKES_AMP, OURS_AMP, 1.03, goal="at most 3% slower than without the policy"),
+            Ratio(SPIKES_LOSS_AMP, OURS_AMP),
         ),
-        counts=(Count(OURS_AMP, 1), Count(TORCH_AMP, None), Count(SHARDED_AMP, None)),
+        counts=(
+            Count(OURS_AMP, 1),
+            Count(SPIKES_AMP, 1),
+            Count(SPIKES_LOSS_AMP, 2),
+            Count(TORCH_AMP, None),
+            Count(SHARDED_AMP, None),
+        ),
     ),
     Case(
         "replicas",

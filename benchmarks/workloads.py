@@ -33,6 +33,7 @@ from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import clip_grad_norm_, contiguous_grads_, total_grad_norm
 from credit.parallel.grad_sync import sync_domain_gradients, sync_domain_gradients_in_backward
 from credit.parallel.replicas import verify_replicas
+from credit.parallel.spikes import SpikePolicy
 
 # The layouts' model for the FSDP2 cases: 40 blocks of 10 grads, plus 4 outside them.
 MODEL = {"blocks": 40, "dim": 64, "hidden": 128}
@@ -363,6 +364,11 @@ def amp(ctx: Context) -> Workload:
         optimizer = torch.optim.AdamW(params[key], lr=1e-6, foreach=True)
         scaler = None if scaler_type is None else _constant_scaler(scaler_type, ctx.device)
         steps[key] = _amp_step(scaler, optimizer, clip, params[key])
+    for key, loss in (("spikes", None), ("spikes_loss", torch.ones((), device=ctx.device))):
+        model = layouts.build("fsdp", 8, **MODEL, device=ctx.device.type).model
+        params[key] = _with_grads(model)
+        optimizer = torch.optim.AdamW(params[key], lr=1e-6, foreach=True)
+        steps[key] = _spike_step(optimizer, params[key], loss, ctx.device)
     grads = _grads(params["ours"])
     return Workload(
         f"AMP step: unscale_ + clip + step + update, foreach AdamW, {len(grads)} FSDP2 grads "
@@ -379,8 +385,31 @@ def amp(ctx: Context) -> Workload:
             "the clip's all_reduce carry the answer: 1",
             "the scale stays at 1.0 and the clip at a factor of 1, so every call runs on the "
             "same gradients",
+            "with the spike policy (skip and adaptive clip, ours's scaler and norm): the same "
+            "kernels run whatever the values; its eps is set so high that no step is a spike, "
+            "so every call steps; a loss adds its average over the world: 2 collectives",
         ],
     )
+
+
+def _spike_step(
+    optimizer: torch.optim.Optimizer,
+    params: list[Tensor],
+    loss: Tensor | None,
+    device: torch.device,
+) -> Callable[[], None]:
+    """Ours with a spike policy (skip and adaptive clip) in place of the clip, given ``loss``."""
+    policy = SpikePolicy(adaptive_clip="zscore", warmup=1, eps=1e30)
+    scaler = GradScaler(device.type, init_scale=1.0, growth_interval=10**9, spikes=policy)
+    scaler.scale(torch.ones((), device=device))
+
+    def step() -> None:
+        scaler.unscale_(optimizer)
+        policy.clip_grad_norm_(params, AMP_MAX_NORM, loss=loss)
+        scaler.step(optimizer)
+        scaler.update()
+
+    return step
 
 
 def _constant_scaler(

@@ -23,6 +23,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from credit.parallel.amp import GradScaler
@@ -303,3 +304,21 @@ def test_a_new_level_restarts_the_histories_instead_of_skipping_every_step(resta
     else:  # 4 skipped, then a new warm-up of 5 at the new level, whose steps are taken
         assert skipped == [False] * 8 + [True] * 4 + [False] * 20
         assert (run.policy.restarts, run.policy.skipped_spikes) == (1, 4)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_distributed_checkpoint_resumes_the_histories_a_fresh_policy_lacks(tmp_path):
+    arguments = dict(adaptive_clip="zscore")
+    straight, first = _Run(SpikePolicy(**arguments)), _Run(SpikePolicy(**arguments))
+    norms = _norms(80, spikes=(30, 60))
+    for norm in norms[:40]:
+        for run in (straight, first):
+            run.step(norm, loss=norm / 2)
+    dcp.save({"spikes": first.policy}, checkpoint_id=tmp_path, no_dist=True)
+    resumed = _Run(SpikePolicy(**arguments))  # has seen no loss: its state dict's template
+    dcp.load({"spikes": resumed.policy}, checkpoint_id=tmp_path, no_dist=True)
+    for norm in norms[40:]:
+        for run in (straight, resumed):
+            run.step(norm, loss=norm / 2)
+        assert _same_figures(straight.policy.metrics(), resumed.policy.metrics())
+    assert resumed.policy.skipped_spikes == 2

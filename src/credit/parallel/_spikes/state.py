@@ -82,16 +82,21 @@ def settled(
 
 
 def state_dict(settings: SpikeSettings, state: SpikeState) -> dict[str, Any]:
-    """``state`` as plain values and CPU tensors, with the settings it only fits."""
-    saved: dict[str, Any] = {
+    """``state`` as plain values and CPU tensors (copies), with the settings it only fits. Every
+    entry is there whatever the state holds, so that ``torch.distributed.checkpoint``, which
+    loads into the entries of a fresh policy's state dict, finds them all (``losses`` is an empty
+    history, with ``has_losses`` 0, until a loss is given)."""
+    losses = state.losses
+    if losses is None:
+        losses = _history.empty(settings, state.counts.device)
+    return {
         **settings.fingerprint(),
         "steps": state.steps,
-        "counts": state.counts.cpu(),
+        "counts": state.counts.to("cpu", copy=True),
         "norms": _saved(state.norms),
+        "losses": _saved(losses),
+        "has_losses": int(state.losses is not None),
     }
-    if state.losses is not None:
-        saved["losses"] = _saved(state.losses)
-    return saved
 
 
 def loaded(settings: SpikeSettings, saved: dict[str, Any]) -> SpikeState:
@@ -109,10 +114,9 @@ def loaded(settings: SpikeSettings, saved: dict[str, Any]) -> SpikeState:
             f"{fingerprint}: build the policy with the saved settings"
         )
     try:
-        losses = saved.get("losses")
         return SpikeState(
             _restored(saved["norms"]),
-            None if losses is None else _restored(losses),
+            _restored(saved["losses"]) if saved["has_losses"] else None,
             torch.as_tensor(saved["counts"], dtype=torch.int64).clone(),
             int(saved["steps"]),
         )
@@ -121,7 +125,10 @@ def loaded(settings: SpikeSettings, saved: dict[str, Any]) -> SpikeState:
 
 
 def _saved(history: _history.ValueHistory) -> dict[str, Tensor]:
-    return {name: tensor.cpu() for name, tensor in zip(_FIELDS, history.tensors(), strict=True)}
+    return {
+        name: tensor.to("cpu", copy=True)
+        for name, tensor in zip(_FIELDS, history.tensors(), strict=True)
+    }
 
 
 def _restored(saved: dict[str, Tensor]) -> _history.ValueHistory:
