@@ -2,8 +2,9 @@
 hand, only the optimizer prepared), ``Accelerator.clip_grad_norm_`` beside this package's clip
 through ``credit.parallel.integrations.accelerate.clip_grad_norm_``, this package's GradScaler
 as ``accelerator.scaler`` (scaling, or skipping non-finite bf16 steps), stepped by accelerate's
-prepared optimizer, the refusal of parameters no prepared optimizer holds while a scaler is set,
-and the norm handed to ``accelerator.log`` (a tracker of accelerate's kind that records it).
+prepared optimizer, a gradient spike skipped through a ``SpikePolicy`` that scaler holds, the
+refusal of parameters no prepared optimizer holds while a scaler is set, and the norm handed to
+``accelerator.log`` (a tracker of accelerate's kind that records it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from credit.parallel import collectives
 from credit.parallel.amp import GradScaler
 from credit.parallel.integrations.accelerate import clip_grad_norm_
 from credit.parallel.replicas import verify_replicas
+from credit.parallel.spikes import SpikePolicy
 
 accelerate = framework("accelerate")
 
@@ -238,6 +240,64 @@ def test_accelerate_clip_called_again_after_copies_differed_unscales_once():
     norm = float.fromhex(same_on_every_rank([run["norm"] for run in runs]))
     assert_norm(norm, runs[0]["oracle"])  # the gradients unscaled once: the scale divided out
     assert not any(run["skipped"] for run in runs)
+
+
+# --- a SpikePolicy, the scaler holding it set before prepare -----------------------------------
+
+# The policy's warm-up: steps 0 to 2 enter its history, step 3 holds the spike, step 4 steps.
+WARMUP = 3
+SPIKE_STEPS = 5
+SPIKE_FACTOR = 1e3  # rank 3's TP shard of fc1's gradient made this many times larger
+
+
+def _spiky() -> list[dict[str, Any]]:
+    """bf16 autocast, a policy that skips spikes held by accelerator.scaler, the loss given to
+    it too; a spike planted after the warm-up."""
+    accelerator, net, dp_rank = _setup("bf16")
+    spikes = SpikePolicy(warmup=WARMUP)
+    accelerator.scaler = GradScaler("cpu", scaling=False, spikes=spikes)
+    optimizer = accelerator.prepare(torch.optim.AdamW(net.parameters(), lr=1e-2))
+    steps = []
+    for step, (x, y) in enumerate(batches(SPIKE_STEPS, dp_rank)):
+        with accelerator.autocast():
+            loss = F.mse_loss(net(x), y)
+        accelerator.backward(loss)
+        if step == WARMUP and dist.get_rank() == PLANTED_RANK:
+            net.fc1.weight.grad.to_local().mul_(SPIKE_FACTOR)
+        materialised = materialised_norm(net.parameters())
+        before = local_digest(net.parameters())
+        norm = clip_grad_norm_(accelerator, net, MAX_NORM, spikes=spikes, loss=loss)
+        optimizer.step()
+        steps.append(
+            {
+                "materialised": materialised,
+                "norm": bits(norm),
+                "skipped": optimizer.step_was_skipped,
+                "spikes": spikes.skipped_spikes,
+                "moved": before != local_digest(net.parameters()),
+            }
+        )
+        optimizer.zero_grad()
+    verify_replicas(net, optimizer.optimizer)
+    return steps
+
+
+def test_accelerate_prepared_optimizer_skips_a_planted_spike_on_every_rank():
+    """The adapter clips through the policy, accelerate's prepared optimizer steps through the
+    scaler holding it: the step whose gradient has a spike in rank 3's TP shard is skipped on
+    every rank (step_was_skipped, no weight moved, counted by the policy), the steps before and
+    after it clip and step, every norm the materialised one, and the replicas stay identical."""
+    runs = run_ranks(_spiky)
+    for step in range(SPIKE_STEPS):
+        norm = float.fromhex(same_on_every_rank([run[step]["norm"] for run in runs]))
+        assert_norm(norm, runs[0][step]["materialised"])
+        skipped = same_on_every_rank([run[step]["skipped"] for run in runs])
+        spikes = same_on_every_rank([run[step]["spikes"] for run in runs])
+        moved = [run[step]["moved"] for run in runs]
+        if step == WARMUP:
+            assert skipped and spikes == 1 and not any(moved)
+        else:
+            assert not skipped and spikes == (1 if step > WARMUP else 0) and all(moved)
 
 
 # --- a scaler set, the optimizer not prepared: refused before anything is touched ---------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +44,14 @@ from harness import (
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from credit.parallel.amp import GradScaler
 from credit.parallel.integrations.lightning import MeshSafeGradientClipping
 from credit.parallel.replicas import verify_replicas
+from credit.parallel.spikes import SpikePolicy
 
 L = framework("lightning")
 
@@ -420,6 +423,105 @@ def test_fp16_planted_inf_skips_the_step_on_every_rank(manual):
             assert not skipped and scale == (1024.0 if step < PLANTED_STEP else 512.0)
             assert_norm(norm, runs[0][step]["materialised"])
             assert all(moved)
+
+
+# --- a SpikePolicy through the mixin ---------------------------------------------------------
+
+# The policy's warm-up: steps 0 to 2 enter its history, step 3 (the last) holds the spike.
+WARMUP = 3
+SPIKE_FACTOR = 1e3  # rank 3's TP shard of fc1's gradient made this many times larger
+
+
+class _Spiked(Clipped):
+    """The mixin with ``grad_spike_policy`` set, and a spike planted at step ``WARMUP``."""
+
+    def __init__(self, policy: SpikePolicy) -> None:
+        super().__init__()
+        self.grad_spike_policy = policy
+
+    def on_after_backward(self) -> None:
+        if self.global_step == WARMUP and self.global_rank == PLANTED_RANK:
+            grad = self.net.fc1.weight.grad
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(SPIKE_FACTOR)
+
+
+class Spiky(_Spiked):
+    """What the scaler and the policy did at each step, too."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
+        super().on_train_batch_end(outputs, batch, index)
+        _record_scaler(self)
+        assert self.grad_spike_policy is not None
+        self.records[-1]["spikes"] = self.grad_spike_policy.skipped_spikes
+
+
+def _spiky(precision: str) -> list[dict[str, Any]]:
+    """The policy given to this package's scaler, the scaler to Lightning's MixedPrecision."""
+    start_rank()
+    policy = SpikePolicy(warmup=WARMUP)
+    MixedPrecision = L.pytorch.plugins.MixedPrecision
+    if precision == "16-mixed":
+        scaler = GradScaler("cpu", init_scale=1024.0, spikes=policy)
+        plugin = MixedPrecision(precision, "cpu", scaler=scaler)
+    else:
+        plugin = MixedPrecision(precision, "cpu")  # which refuses a scaler for bf16-mixed
+        plugin.scaler = GradScaler("cpu", scaling=False, spikes=policy)
+    return _fit(Spiky(policy), gradient_clip_val=MAX_NORM, plugins=[plugin])
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_spike_policy_skips_a_planted_spike_on_every_rank(precision):
+    """grad_spike_policy, and this package's scaler holding it as the plugin's (for bf16, set
+    after the plugin is built): the step after the warm-up, whose gradient has a spike in rank
+    3's TP shard, is skipped on all 4 ranks, no weight moves and the scale stays; every other
+    step clips and steps; every step's norm is the materialised norm, logged as before."""
+    runs = run_ranks(_spiky, precision)
+    scale = 1024.0 if precision == "16-mixed" else 1.0
+    for step in range(STEPS):
+        norm = float.fromhex(same_on_every_rank([records[step]["norm"] for records in runs]))
+        assert_norm(norm, runs[0][step]["materialised"])
+        assert same_on_every_rank([records[step]["logged"] for records in runs]) == bits(norm)
+        assert same_on_every_rank([records[step]["scale"] for records in runs]) == scale
+        skipped = same_on_every_rank([records[step]["skipped"] for records in runs])
+        spikes = same_on_every_rank([records[step]["spikes"] for records in runs])
+        moved = [records[step]["before"] != records[step]["after"] for records in runs]
+        if step == WARMUP:
+            assert skipped and spikes == 1 and not any(moved)
+        else:
+            assert not skipped and spikes == 0 and all(moved)
+
+
+def _float32() -> tuple[str, list[dict[str, Any]]]:
+    """In float32: a policy that skips, refused; then an adaptive clip alone, with no
+    gradient_clip_val."""
+    start_rank()
+    try:
+        _fit(_Spiked(SpikePolicy(warmup=WARMUP)), gradient_clip_val=MAX_NORM)
+        refused = "no error"
+    except ValueError as error:
+        refused = str(error)
+    policy = SpikePolicy(skip=False, adaptive_clip="mean", warmup=WARMUP)
+    return refused, _fit(_Spiked(policy))
+
+
+def test_spike_policy_in_float32_clips_adaptively_and_refuses_to_skip():
+    """Lightning's float32 plugin steps through no scaler: a policy that skips is refused on
+    every rank, naming the plugins that work. An adaptive clip alone clips nothing during the
+    warm-up and clips the spike to the mean of the warm-up's norms (ZClip's "mean" mode)."""
+    runs = run_ranks(_float32)
+    refused = same_on_every_rank([refused for refused, _ in runs])
+    for fix in ('MixedPrecision("16-mixed"', "plugin.scaler = GradScaler", "skip=False"):
+        assert fix in refused, refused
+    fits = [records for _, records in runs]
+    norms = []
+    for step in range(STEPS):
+        norms.append(float.fromhex(same_on_every_rank([r[step]["norm"] for r in fits])))
+        assert_norm(norms[step], fits[0][step]["materialised"])
+    clipped = [same_on_every_rank([r[step]["clipped"] for r in fits]) for step in range(STEPS)]
+    for step in range(WARMUP):
+        assert math.isclose(clipped[step], norms[step], rel_tol=1e-5)
+    assert norms[WARMUP] > 10 * max(norms[:WARMUP])
+    assert math.isclose(clipped[WARMUP], statistics.fmean(norms[:WARMUP]), rel_tol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 a 1-D world) and the function its trainer clips with, ``torchtitan.distributed.utils.
 clip_grad_norm_``, beside ``credit.parallel.integrations.torchtitan.clip_grad_norm_``, on FSDP2 +
 TP in torchtitan's style (every parameter under TP, the norm through SequenceParallel) and with
-pipeline stages (its ``pp_mesh`` path, ours through the split API).
+pipeline stages (its ``pp_mesh`` path, ours through the split API); and the adapter clipping
+through an adaptive ``SpikePolicy``.
 
 torchtitan's trainer itself is not run: ``ParallelDims`` builds its meshes on
 ``torchtitan.tools.utils.device_type``, "cuda" on a machine without an accelerator, which the
@@ -11,7 +12,9 @@ tests set to "cpu"; everything else is torchtitan's code as installed.
 
 from __future__ import annotations
 
+import functools
 import math
+import statistics
 from typing import Any
 
 import torch
@@ -45,6 +48,7 @@ from torch.distributed.tensor.parallel import (
 from credit.parallel.collectives import clip_grads_with_norm_, get_total_norm
 from credit.parallel.integrations.torchtitan import clip_grad_norm_
 from credit.parallel.replicas import verify_replicas
+from credit.parallel.spikes import SpikePolicy
 
 framework("torchtitan")
 from torchtitan.distributed import parallel_dims, utils  # noqa: E402
@@ -215,3 +219,61 @@ def test_torchtitan_pipeline_clip_and_ours_through_the_split_api():
         )
         clipped = math.sqrt(sum(run[step]["clipped"] for run in runs[::2]))  # one rank a stage
         assert math.isclose(clipped, MAX_NORM, rel_tol=1e-4), clipped
+
+
+# --- an adaptive clip through the adapter ----------------------------------------------------
+
+# The policy's warm-up: steps 0 to 2 enter its history, step 3 holds the spike.
+WARMUP = 3
+SPIKE_FACTOR = 1e3  # rank 3's TP shard of fc1's gradient made this many times larger
+CLIP_Z = 2.5  # ZClip's default
+
+
+def _adaptive() -> list[dict[str, Any]]:
+    """ZClip's adaptive clip ("zscore") through the adapter, called as torchtitan's trainer
+    calls its clip (max_norm 1e9 its ceiling), on torchtitan's meshes and layout; a spike planted
+    after the warm-up. torchtitan's trainer steps through no scaler: nothing is skipped."""
+    start_rank()
+    dims = _parallel_dims(dp_shard=2, tp=2)
+    net = _sequence_parallel(Net(), dims)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    spikes = SpikePolicy(skip=False, adaptive_clip="zscore", clip_z=CLIP_Z, warmup=WARMUP)
+    clip = functools.partial(clip_grad_norm_, spikes=spikes)
+    generator = torch.Generator().manual_seed(1234)
+    steps = []
+    for step in range(WARMUP + 1):
+        x, y = (torch.randn(2, SEQ // 2, DIM, generator=generator) for _ in range(2))
+        F.mse_loss(net(x), y).backward()
+        if step == WARMUP and dist.get_rank() == 3:
+            net.fc1.weight.grad.to_local().mul_(SPIKE_FACTOR)
+        materialised = materialised_norm(net.parameters())
+        norm = clip(list(net.parameters()), 1e9, foreach=True, pp_mesh=None, ep_enabled=False)
+        steps.append(
+            {
+                "materialised": materialised,
+                "norm": bits(norm),
+                "clipped": materialised_norm(net.parameters()),
+            }
+        )
+        optimizer.step()
+        optimizer.zero_grad()
+    verify_replicas(net, optimizer)
+    return steps
+
+
+def test_torchtitan_clip_with_an_adaptive_spike_policy():
+    """The norm the materialised one, on every rank alike; nothing clipped during the warm-up;
+    the spike clipped to ZClip's threshold, mean + clip_z**2 * std / z over the warm-up's
+    norms (their mean and population deviation, computed here in float64)."""
+    runs = run_ranks(_adaptive)
+    norms = []
+    for step in range(WARMUP + 1):
+        norms.append(float.fromhex(same_on_every_rank([run[step]["norm"] for run in runs])))
+        assert_norm(norms[step], runs[0][step]["materialised"])
+    clipped = [same_on_every_rank([run[s]["clipped"] for run in runs]) for s in range(WARMUP + 1)]
+    for step in range(WARMUP):
+        assert math.isclose(clipped[step], norms[step], rel_tol=1e-5)
+    mean, std = statistics.fmean(norms[:WARMUP]), statistics.pstdev(norms[:WARMUP])
+    z = (norms[WARMUP] - mean) / (std + 1e-6)
+    assert z > CLIP_Z
+    assert math.isclose(clipped[WARMUP], mean + CLIP_Z**2 * std / z, rel_tol=1e-5)

@@ -15,6 +15,7 @@ from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import clip_grad_norm_
 from credit.parallel.integrations import accelerate, torchtitan
 from credit.parallel.integrations.lightning import MeshSafeGradientClipping
+from credit.parallel.spikes import SpikePolicy
 
 MAX_NORM = 0.1
 
@@ -230,3 +231,164 @@ def test_accelerate_clip_does_not_unscale_an_optimizer_unscaled_this_step(scaler
     scaler.step(optimizer)
     scaler.update()
     assert scaler.get_scale() == 8.0
+
+
+# --- a SpikePolicy through each adapter ----------------------------------------------------------
+
+
+def _adaptive() -> SpikePolicy:
+    """An adaptive clip alone, still in its warm-up: it clips to the ceiling only."""
+    return SpikePolicy(skip=False, adaptive_clip="zscore")
+
+
+def _set_grads(module: nn.Module, factor: float) -> None:
+    """Gradients set by hand (no autograd): the same values times ``factor`` at every step."""
+    for index, p in enumerate(module.parameters()):
+        p.grad = torch.linspace(-1.0, 1.0, p.numel()).reshape(p.shape) * (index + 1) * factor
+
+
+def test_adapters_clip_through_an_adaptive_policy_as_the_clip_does_during_its_warmup():
+    """max_norm is the policy's ceiling: during the warm-up each adapter clips as the clip does
+    and returns its norm, and the policy saw the step."""
+    reference = Module()
+    expected = clip_grad_norm_(reference.parameters(), MAX_NORM)
+    lightning, accelerated, titan = Module(), Module(), Module()
+    lightning.grad_spike_policy = _adaptive()
+    lightning.configure_gradient_clipping(torch.optim.SGD(lightning.parameters()), MAX_NORM)
+    accelerator = SimpleNamespace(scaler=None, _optimizers=[])
+    policy = _adaptive()
+    norms = [
+        lightning.last_grad_norm,
+        accelerate.clip_grad_norm_(accelerator, accelerated, MAX_NORM, spikes=policy),
+        torchtitan.clip_grad_norm_(list(titan.parameters()), MAX_NORM, spikes=_adaptive()),
+    ]
+    for norm, module in zip(norms, (lightning, accelerated, titan), strict=True):
+        assert norm is not None and torch.equal(norm, expected)
+        assert _same_bits(_grads(module), _grads(reference))
+    assert torch.equal(policy.metrics()["norm"], expected)
+
+
+def test_lightning_hook_runs_the_policy_without_gradient_clip_val_and_before_clipping_by_value():
+    """The policy sees every step: with no gradient_clip_val (no ceiling: nothing clipped during
+    the warm-up), and before Lightning's clip by value."""
+    module = Module()
+    before = _grads(module)
+    module.grad_spike_policy = policy = _adaptive()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    module.configure_gradient_clipping(optimizer, None, None)
+    assert policy.metrics()["clip_bound"] == math.inf
+    assert _same_bits(_grads(module), before)
+    norm = module.last_grad_norm
+    module.last_grad_norm = None
+    module.configure_gradient_clipping(optimizer, 0.5, "value")
+    assert module.lightning_clips == [(optimizer, 0.5, "value")]
+    assert module.last_grad_norm is not None and torch.equal(module.last_grad_norm, norm)
+
+
+def test_lightning_mixin_skips_a_spike_through_the_plugins_scaler():
+    """A world of one: the policy held by the precision plugin's scaler (the Trainer's shape,
+    attached by hand) skips the step whose gradients are 1000 times larger than the warm-up's,
+    and takes the steps around it."""
+    module = _Bare()
+    module.grad_spike_policy = policy = SpikePolicy(warmup=2)
+    scaler = GradScaler("cpu", scaling=False, spikes=policy)
+    module.trainer = SimpleNamespace(precision_plugin=SimpleNamespace(scaler=scaler))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    moved = []
+    for factor in (1.0, 1.1, 1000.0, 1.05):
+        _set_grads(module, factor)
+        before = [p.detach().clone() for p in module.parameters()]
+        scaler.unscale_(optimizer)
+        module.configure_gradient_clipping(optimizer, None, None)
+        scaler.step(optimizer)
+        scaler.update()
+        moved.append(not _same_bits([p.detach() for p in module.parameters()], before))
+    assert moved == [True, True, False, True]
+    assert policy.skipped_spikes == 1 and scaler.skipped_steps == 1
+
+
+@pytest.mark.parametrize("plugin_scaler", [None, "another"], ids=["no scaler", "another scaler"])
+def test_lightning_mixin_refuses_a_skipping_policy_the_plugins_scaler_does_not_hold(plugin_scaler):
+    module = _Bare()
+    module.grad_spike_policy = policy = SpikePolicy()
+    GradScaler("cpu", scaling=False, spikes=policy)  # held, but not by the plugin's scaler
+    scaler = None if plugin_scaler is None else GradScaler("cpu", scaling=False)
+    module.trainer = SimpleNamespace(precision_plugin=SimpleNamespace(scaler=scaler))
+    before = _grads(module)
+    with pytest.raises(ValueError, match=r"plugin\.scaler = GradScaler\(device, scaling=False"):
+        module.configure_gradient_clipping(torch.optim.SGD(module.parameters()), MAX_NORM)
+    assert module.last_grad_norm is None and policy.metrics() == {}
+    assert _same_bits(_grads(module), before)
+
+
+@pytest.mark.parametrize(
+    ("policy", "loss", "error", "message"),
+    [
+        ("not a policy", None, TypeError, "must be a credit.parallel.spikes.SpikePolicy"),
+        (None, 1.0, ValueError, "loss is tested by a SpikePolicy only"),
+        (SpikePolicy(), None, RuntimeError, r"GradScaler\(\.\.\., spikes=policy\)"),
+    ],
+    ids=["not a policy", "loss without one", "skipping outside a Trainer, no scaler"],
+)
+def test_lightning_mixin_policy_misuse_raises_and_clips_nothing(policy, loss, error, message):
+    module = _Bare()
+    module.grad_spike_policy = policy
+    before = _grads(module)
+    with pytest.raises(error, match=message):
+        module.clip_grad_norm_(torch.optim.SGD(module.parameters()), MAX_NORM, loss=loss)
+    assert module.last_grad_norm is None
+    assert _same_bits(_grads(module), before)
+
+
+def _accelerator(scaler: object, prepared_with: object) -> tuple[Module, SimpleNamespace]:
+    """A module, and an accelerator whose prepared optimizer steps through ``prepared_with``
+    (accelerate's AcceleratedOptimizer holds the scaler set when it was prepared)."""
+    module = Module()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    optimizer.scaler = prepared_with  # type: ignore[attr-defined]
+    return module, SimpleNamespace(scaler=scaler, _optimizers=[optimizer])
+
+
+@pytest.mark.parametrize("case", ["no scaler", "another scaler", "prepared before"], ids=str)
+def test_accelerate_clip_refuses_a_skipping_policy_its_optimizers_step_would_not_take(case):
+    spikes = SpikePolicy()
+    holding = GradScaler("cpu", scaling=False, spikes=spikes)
+    scaler = {"no scaler": None, "another scaler": GradScaler("cpu", scaling=False)}.get(
+        case, holding
+    )
+    module, accelerator = _accelerator(scaler, None if case == "prepared before" else scaler)
+    before = _grads(module)
+    with pytest.raises(ValueError, match=r"accelerator\.scaler = GradScaler\(device, scaling"):
+        accelerate.clip_grad_norm_(accelerator, module, MAX_NORM, spikes=spikes)
+    assert _same_bits(_grads(module), before) and spikes.metrics() == {}
+
+
+@pytest.mark.parametrize(
+    ("max_norm", "spikes", "loss", "error", "message"),
+    [
+        (torch.tensor(1.0), _adaptive(), None, TypeError, "max_norm must be a number"),
+        (MAX_NORM, "not a policy", None, TypeError, "spikes must be a"),
+        (MAX_NORM, None, 1.0, ValueError, "loss is tested by a SpikePolicy only"),
+    ],
+    ids=["tensor max_norm", "not a policy", "loss without one"],
+)
+def test_accelerate_clip_checks_the_policys_arguments_before_unscaling(
+    max_norm, spikes, loss, error, message
+):
+    scaler = GradScaler("cpu", init_scale=8.0)
+    module, optimizer = _scaled_module(scaler)
+    scaled = _grads(module)
+    accelerator = SimpleNamespace(scaler=scaler, _optimizers=[optimizer])
+    with pytest.raises(error, match=message):
+        accelerate.clip_grad_norm_(accelerator, module, max_norm, spikes=spikes, loss=loss)
+    assert _same_bits(_grads(module), scaled)
+
+
+def test_torchtitan_clip_with_a_skipping_policy_no_scaler_holds_raises_and_clips_nothing():
+    module = Module()
+    before = _grads(module)
+    with pytest.raises(RuntimeError, match="a SpikePolicy that skips steps decides for a Grad"):
+        torchtitan.clip_grad_norm_(list(module.parameters()), MAX_NORM, spikes=SpikePolicy())
+    with pytest.raises(TypeError, match="spikes must be a"):
+        torchtitan.clip_grad_norm_(list(module.parameters()), MAX_NORM, spikes=object())  # type: ignore[arg-type]
+    assert _same_bits(_grads(module), before)

@@ -261,10 +261,10 @@ def test_bad_calls_raise_before_any_gradient_is_modified():
     run.step(1.0)
     run.scaler.unscale_(run.optimizer)  # type: ignore[union-attr]
     run.policy.clip_grad_norm_([run.param])
-    with pytest.raises(RuntimeError, match="called twice since the GradScaler's last update"):
-        run.policy.clip_grad_norm_([run.param])
     with pytest.raises(RuntimeError, match="call it after update"):
         run.policy.state_dict()
+    with pytest.raises(ValueError, match=r"enabled=False\) steps every optimizer"):
+        GradScaler("cpu", enabled=False, spikes=SpikePolicy())
     with pytest.raises(ValueError, match="already held by another GradScaler"):
         GradScaler("cpu", scaling=False, spikes=run.policy)
     with pytest.raises(TypeError, match="spikes must be a SpikePolicy"):
@@ -322,3 +322,25 @@ def test_a_distributed_checkpoint_resumes_the_histories_a_fresh_policy_lacks(tmp
             run.step(norm, loss=norm / 2)
         assert _same_figures(straight.policy.metrics(), resumed.policy.metrics())
     assert resumed.policy.skipped_spikes == 2
+
+
+def test_a_decision_no_update_followed_is_replaced_and_enters_nothing():
+    dropped, straight = _Run(SpikePolicy(warmup=5)), _Run(SpikePolicy(warmup=5))
+    for norm in [1.0, 1.1, 0.9, 1.05, 0.95, 1.0]:
+        dropped.step(norm)
+        straight.step(norm)
+    dropped.param.grad = torch.tensor([100.0])
+    dropped.scaler.unscale_(dropped.optimizer)  # type: ignore[union-attr]
+    dropped.policy.clip_grad_norm_([dropped.param])  # a spike, then the trainer drops the step
+    assert bool(dropped.policy.metrics()["spike"])
+    dropped.param.grad = torch.tensor([1.02])
+    dropped.policy.clip_grad_norm_([dropped.param])  # decides again: the step is taken
+    dropped.scaler.step(dropped.optimizer)  # type: ignore[union-attr]
+    dropped.scaler.update()  # type: ignore[union-attr]
+    straight.step(1.02)
+    for norm in [0.97, 1.03]:
+        dropped.step(norm)
+        straight.step(norm)
+    assert _same_figures(dropped.policy.metrics(), straight.policy.metrics())
+    assert torch.equal(dropped.param, straight.param)
+    assert dropped.policy.skipped_spikes == 0 and not dropped.scaler.last_step_skipped  # type: ignore[union-attr]

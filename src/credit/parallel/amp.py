@@ -128,6 +128,11 @@ class GradScaler(torch.amp.GradScaler):
             growth_interval,
             enabled,
         )
+        if spikes is not None and not enabled:
+            raise ValueError(
+                "GradScaler(enabled=False) steps every optimizer and skips nothing, spikes "
+                "included: pass enabled=True (scaling=False to skip without scaling)"
+            )
         self.scaling = scaling
         self._flags = _scaler.StepFlags()  # one per optimizer, from unscale_ to update()
         self._skipped_steps = _scaler.SkippedSteps(model)

@@ -118,6 +118,12 @@ class SpikePolicy:
         self._scaler: object | None = None
 
     @property
+    def scaler(self) -> object | None:
+        """The :class:`~credit.parallel.amp.GradScaler` holding this policy (which skips the steps
+        it decides are spikes), or None."""
+        return self._scaler
+
+    @property
     def skips(self) -> bool:
         """Whether the policy may skip a step (a z-score skip or ``skip_above``)."""
         return self.settings.skip or self.settings.skip_above is not None
@@ -161,6 +167,9 @@ class SpikePolicy:
             groups: the step's :func:`~credit.parallel.norm_report.grad_norm_report`, whose
                 largest groups the report of a skipped spike names.
 
+        Call it once per optimizer step: a second call before the scaler's ``update()`` decides
+        again and replaces the first decision (a step the trainer dropped enters nothing).
+
         Returns:
             The total norm of the gradients before clipping, as the clip returns it.
 
@@ -168,9 +177,9 @@ class SpikePolicy:
             TypeError, ValueError, RuntimeError: as
                 :func:`~credit.parallel.collectives.clip_grad_norm_`; ``max_norm`` is not a
                 number or ``loss`` not a number or a tensor of one element (ValueError or
-                TypeError); the policy skips steps and no ``GradScaler`` holds it, or it was
-                called twice since the scaler's ``update()`` (RuntimeError). Each is raised
-                before any collective, with no gradient modified.
+                TypeError); the policy skips steps and no ``GradScaler`` holds it
+                (RuntimeError). Each is raised before any collective, with no gradient
+                modified.
         """
         ceiling = _ceiling(max_norm)
         _check_loss(loss)
@@ -306,11 +315,8 @@ class SpikePolicy:
                 "GradScaler(..., spikes=policy) (scaling=False for bf16 or float32), or pass "
                 "skip=False and no skip_above for an adaptive clip alone"
             )
-        if self._pending is not None and self._scaler is not None:
-            raise RuntimeError(
-                "SpikePolicy.clip_grad_norm_ was called twice since the GradScaler's last "
-                "update(): call it once per optimizer step"
-            )
+        # Under a scaler, a decision that no update() followed belongs to a step the trainer
+        # dropped (a skipped batch): the next one replaces it, and it enters nothing.
         self._settle_alone()
 
     def _settle_alone(self) -> None:

@@ -8,14 +8,16 @@ made the scaler itself (fp16 on an accelerator device), so a scaler set by hand,
 ``credit.parallel.amp.GradScaler`` skipping non-finite bf16 steps, is never unscaled.
 :func:`clip_grad_norm_` unscales through whatever scaler the accelerator holds, refuses
 parameters that no prepared optimizer holds while a scaler is set (their gradients would stay
-scaled), clips with :func:`credit.parallel.collectives.clip_grad_norm_`, and on request hands
-the norm to ``accelerator.log``. This module does not import accelerate.
+scaled), clips with :func:`credit.parallel.collectives.clip_grad_norm_` (or a
+:class:`~credit.parallel.spikes.SpikePolicy`'s clip, whose skipped spikes the prepared optimizer
+takes through the scaler), and on request hands the norm to ``accelerator.log``. This module does
+not import accelerate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +28,7 @@ from credit.parallel._common.compat import unscaled_since_update
 from credit.parallel._common.groups import GroupLike
 from credit.parallel._common.inputs import DistinctAlong, TensorOrTensors
 from credit.parallel.collectives import clip_grad_norm_ as _clip_grad_norm_
+from credit.parallel.spikes import SpikePolicy
 
 __all__ = ["clip_grad_norm_"]
 
@@ -36,7 +39,7 @@ _NAMED = 3
 def clip_grad_norm_(
     accelerator: Any,
     parameters: TensorOrTensors | nn.Module | Iterable[tuple[str, Tensor]],
-    max_norm: float | Tensor,
+    max_norm: float | Tensor | None,
     norm_type: float = 2.0,
     *,
     pp_group: GroupLike = None,
@@ -44,6 +47,8 @@ def clip_grad_norm_(
     check: bool | None = None,
     log_as: str | None = None,
     log_step: int | None = None,
+    spikes: SpikePolicy | None = None,
+    loss: Tensor | float | None = None,
 ) -> Tensor:
     """``accelerator.clip_grad_norm_(parameters, max_norm)`` on any mix of meshes.
 
@@ -66,6 +71,20 @@ def clip_grad_norm_(
     belong to a prepared optimizer: only those are unscaled, and only their steps go through
     the scaler.
 
+    With ``spikes``, the clip is the policy's
+    (:meth:`~credit.parallel.spikes.SpikePolicy.clip_grad_norm_`, ``max_norm`` its fixed ceiling
+    or None). A policy that skips steps decides for the scaler holding it, so it needs
+    ``accelerator.scaler`` to be this package's ``GradScaler`` built with ``spikes=policy`` and set
+    before the optimizer was prepared: the prepared optimizer's ``step()`` then skips the spikes
+    on every rank (``optimizer.step_was_skipped``). An adaptive clip alone (``skip=False``) needs
+    no scaler::
+
+        spikes = SpikePolicy()  # credit.parallel.spikes
+        accelerator.scaler = GradScaler("cuda", scaling=False, spikes=spikes)
+        optimizer = accelerator.prepare(optimizer)
+        ...
+        clip_grad_norm_(accelerator, model, 1.0, spikes=spikes, loss=loss)
+
     With ``log_as``, the norm is also handed to ``accelerator.log`` as ``{log_as: norm}`` where
     ``accelerator.trackers`` is not empty (accelerate fills it on the main process only, in
     ``init_trackers``). ``accelerator.log`` takes Python numbers: that costs a host read of the
@@ -86,6 +105,10 @@ def clip_grad_norm_(
             would count each extra ``log`` call as a step.
         log_step: the ``step`` passed to ``accelerator.log`` (its default, None, lets each
             tracker count). Only with ``log_as``.
+        spikes: the :class:`~credit.parallel.spikes.SpikePolicy` that clips, once per optimizer
+            step, or None. Default: None.
+        loss: this rank's loss, which ``spikes`` tests as it tests the norm; only with
+            ``spikes``. Default: None.
 
     Returns:
         The total norm before clipping, a plain scalar tensor, the same on every rank.
@@ -95,30 +118,49 @@ def clip_grad_norm_(
             first as to torch's clip), ``log_as`` is not a string or ``log_step`` not an int, or
             as :func:`credit.parallel.collectives.clip_grad_norm_`.
         ValueError: ``accelerator.scaler`` is set and no prepared optimizer holds a parameter
-            to clip, ``log_as`` is empty, or ``log_step`` is given without ``log_as``; or as
+            to clip, ``log_as`` is empty, ``log_step`` is given without ``log_as``, ``loss``
+            without ``spikes``, or ``spikes`` skips steps and ``accelerator.scaler`` (or the
+            scaler a prepared optimizer holding a parameter to clip steps through) is not an
+            enabled ``GradScaler`` holding it; or as
             :func:`credit.parallel.collectives.clip_grad_norm_`. Raised before any gradient is
-            unscaled or clipped.
-        RuntimeError: as :func:`credit.parallel.collectives.clip_grad_norm_`.
+            unscaled or clipped, and before any collective.
+        RuntimeError: as :func:`credit.parallel.collectives.clip_grad_norm_` or
+            :meth:`credit.parallel.spikes.SpikePolicy.clip_grad_norm_`.
     """
     scaler = _scaler_of(accelerator)
     _check_logging(log_as, log_step)
     params, names = _inputs.parameter_list(parameters)
-    _inputs.clip_bound(max_norm)
+    _check_bound(max_norm, spikes, loss)
     _norm.checked_norm_type(norm_type)
     grads = [grad for p in params if (grad := p.grad) is not None]
     _inputs.check_grads(grads, "parameters")
     distinct_along = _reusable(distinct_along)
     _inputs.distinct_groups(distinct_along, grads)
+    if spikes is not None and spikes.skips:
+        _check_skipping(accelerator, scaler, spikes, params)
     if _is_enabled(scaler):
         _unscale_prepared(accelerator, scaler, params, names)
-    norm = _clip_grad_norm_(
-        params if names is None else list(zip(names, params, strict=True)),
-        max_norm,
-        norm_type,
-        pp_group=pp_group,
-        distinct_along=distinct_along,
-        check=check,
-    )
+    named = params if names is None else list(zip(names, params, strict=True))
+    if spikes is None:
+        norm = _clip_grad_norm_(
+            named,
+            cast("float | Tensor", max_norm),  # checked above: None only with spikes
+            norm_type,
+            pp_group=pp_group,
+            distinct_along=distinct_along,
+            check=check,
+        )
+    else:
+        ceiling = cast("float | None", max_norm)  # checked above: no tensor with spikes
+        norm = spikes.clip_grad_norm_(
+            named,
+            ceiling,
+            norm_type,
+            loss=loss,
+            pp_group=pp_group,
+            distinct_along=distinct_along,
+            check=check,
+        )
     if log_as is not None:
         _log(accelerator, log_as, norm, log_step)
     return norm
@@ -162,6 +204,65 @@ def _unscale_prepared(
     for optimizer in optimizers:
         if not unscaled_since_update(scaler, optimizer):
             scaler.unscale_(optimizer)
+
+
+def _check_bound(max_norm: object, spikes: object, loss: object) -> None:
+    """Check ``max_norm``, ``spikes`` and ``loss`` of :func:`clip_grad_norm_`, as the clip (or
+    the policy) would check them after unscaling.
+
+    Raises:
+        TypeError: ``spikes`` is not a ``SpikePolicy``, or ``max_norm`` is a tensor with one.
+        ValueError: ``loss`` without ``spikes``; or as the clip checks ``max_norm``.
+    """
+    if spikes is None:
+        if loss is not None:
+            raise ValueError("loss is tested by a SpikePolicy only: pass spikes=, or drop loss")
+        _inputs.clip_bound(max_norm)
+        return
+    if not isinstance(spikes, SpikePolicy):
+        raise TypeError(
+            f"spikes must be a credit.parallel.spikes.SpikePolicy or None, got "
+            f"{type(spikes).__name__}"
+        )
+    if isinstance(max_norm, Tensor):
+        raise TypeError("with spikes, max_norm must be a number (or None), got a tensor")
+    if max_norm is not None:
+        _inputs.clip_bound(max_norm)
+
+
+def _check_skipping(
+    accelerator: Any, scaler: Any, spikes: SpikePolicy, params: list[Tensor]
+) -> None:
+    """Refuse a policy that skips steps where the prepared optimizer's ``step()`` would not go
+    through a scaler holding it: the spikes it decides would be stepped. It reads only the
+    accelerator's settings, the same on every rank.
+
+    Raises:
+        ValueError: naming what to set, and in which order.
+    """
+    wanted = {id(p) for p in params}
+    stale = [
+        prepared
+        for prepared in accelerator._optimizers
+        if getattr(prepared, "scaler", None) is not scaler
+        and any(id(p) in wanted for group in prepared.param_groups for p in group["params"])
+    ]
+    held = _is_enabled(scaler) and spikes.scaler is scaler
+    if held and not stale:
+        return
+    problem = (
+        f"accelerator.scaler ({type(scaler).__name__}) is not a GradScaler holding it"
+        if not held
+        else "an optimizer holding parameters to clip was prepared before accelerator.scaler "
+        "was set, and steps through no scaler"
+    )
+    raise ValueError(
+        f"spikes skips steps, and {problem}: the spikes it decides would be stepped anyway. "
+        "Set accelerator.scaler = GradScaler(device, scaling=False, spikes=spikes) "
+        "(credit.parallel.amp; scaling=True for fp16) before accelerator.prepare(optimizer), "
+        "or pass SpikePolicy(skip=False, adaptive_clip='zscore') for an adaptive clip alone. "
+        "No gradient was modified."
+    )
 
 
 def _check_logging(log_as: object, log_step: object) -> None:
