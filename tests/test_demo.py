@@ -13,6 +13,7 @@ import math
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -40,6 +41,19 @@ ROW = re.compile(r"^\s*(\d+)" + r"\s+(\S+)" * 6 + r"(?:\s+(\S+)\s+(yes|no))?\s*$
 VERDICT_FIGURES = re.compile(
     r"max relative difference (\S+) \(loss\), (\S+) \(grad norm\), (\S+) \(weights\)"
 )
+SPIKE_SKIPPED = re.compile(
+    r"^SpikePolicy: every rank skipped step (\d+) as a spike: grad norm (\S+), z-score (\S+) "
+    r"\(skipped above (\S+)\); the replica skipped it \(z-score (\S+) on its own norms\)$",
+    re.MULTILINE,
+)
+WITHOUT_POLICY = re.compile(
+    r"^without the policy: step (\d+) is taken, its grad norm (\S+) clipped to (\S+), and the "
+    r"weights move by (\S+) \(\|\|w_after - w_before\|\| / \|\|w_before\|\|, all parameters, "
+    r"on copies of the replica\), (\S+)x step (\d+)'s (\S+); with it they do not move$",
+    re.MULTILINE,
+)
+# The demo's policy: SpikePolicy(warmup=5), its other settings SpikePolicy's defaults.
+SPIKE_WARMUP, SKIP_SIGMA, ALPHA, EPS = 5, 6.0, 0.97, 1e-6
 
 
 @dataclass(frozen=True)
@@ -99,14 +113,15 @@ def _relative(value: float, reference: float) -> float:
     return abs(value - reference) / abs(reference)
 
 
-def _check_parity(stdout: str, steps: int) -> None:
-    """Every step present, every printed difference right and within the tolerance; a skipped
-    step's norms not finite on either side, and left out of the verdict's maxima."""
+def _check_parity(stdout: str, steps: int, spikes: frozenset[int] = frozenset()) -> None:
+    """Every step present, every printed difference right and within the tolerance; a step
+    skipped for a NaN or inf has norms not finite on either side, left out of the verdict's
+    maxima; a step skipped as a spike (one of ``spikes``) has finite norms, compared."""
     rows = _table(stdout)
     assert [row.step for row in rows] == list(range(1, steps + 1)), stdout
     for row in rows:
         compared = [(row.loss, row.ref_loss, row.loss_rel)]
-        if row.skipped:
+        if row.skipped and row.step not in spikes:
             assert not (math.isfinite(row.norm) or math.isfinite(row.ref_norm)), (row, stdout)
         else:
             compared.append((row.norm, row.ref_norm, row.norm_rel))
@@ -119,7 +134,7 @@ def _check_parity(stdout: str, steps: int) -> None:
     assert figures is not None, verdict
     # The verdict's maxima are the table's, as printed (one digit after the point).
     assert float(figures[1]) == float(f"{max(r.loss_rel for r in rows):.1e}")
-    norm_rel = max(r.norm_rel for r in rows if not r.skipped)
+    norm_rel = max(r.norm_rel for r in rows if not r.skipped or r.step in spikes)
     assert float(figures[2]) == float(f"{norm_rel:.1e}")
     assert float(figures[3]) <= RTOL
 
@@ -256,6 +271,89 @@ def test_bf16_skips_the_planted_step_without_scaling() -> None:
     )
 
 
+def _close(value: float, printed: str, digits: int) -> bool:
+    """Whether ``printed`` is ``value`` to ``digits`` significant digits (and a last-digit slack
+    for the rounding of float32 figures)."""
+    return abs(float(printed) - value) <= 1.5 * 10 ** (
+        math.floor(math.log10(abs(value))) - digits + 1
+    )
+
+
+def _zscore_and_limit(taken: list[float], value: float) -> tuple[float, float]:
+    """The z-score of ``value`` after the norms of the ``taken`` steps, and the norm above which
+    a step is skipped, by ZClip's moving average as SpikePolicy documents it: the mean and
+    population variance of the warm-up's norms, then ``m = a m + (1 - a) x``,
+    ``v = a v + (1 - a) (x - m)**2`` for every later one."""
+    mean, var = statistics.fmean(taken[:SPIKE_WARMUP]), statistics.pvariance(taken[:SPIKE_WARMUP])
+    for x in taken[SPIKE_WARMUP:]:
+        mean = ALPHA * mean + (1 - ALPHA) * x
+        var = ALPHA * var + (1 - ALPHA) * (x - mean) ** 2
+    std = math.sqrt(var) + EPS
+    return (value - mean) / std, mean + SKIP_SIGMA * std
+
+
+def _check_spike_line(stdout: str, taken: list[Row], spike: Row) -> None:
+    """The policy's figures at the ``spike`` step, and the replica's z-score, against those
+    recomputed here from the table's norms of the steps ``taken`` before it."""
+    found = SPIKE_SKIPPED.search(stdout)
+    assert found is not None, stdout
+    assert int(found[1]) == spike.step
+    z, limit = _zscore_and_limit([row.norm for row in taken], spike.norm)
+    assert _close(spike.norm, found[2], 4), found[0]
+    assert _close(z, found[3], 3), found[0]
+    assert _close(limit, found[4], 4), found[0]
+    ref_z, _ = _zscore_and_limit([row.ref_norm for row in taken], spike.ref_norm)
+    assert _close(ref_z, found[5], 3), found[0]
+
+
+def test_a_planted_spike_is_skipped_on_every_rank_and_by_the_replica() -> None:
+    """At step 6 the inputs of rank 3's data shard (ranks 2 and 3) are scaled by 1e3: the spike
+    policy, held by GradScaler(scaling=False), skips the step on every rank, the replica's own
+    rule skips it too, and the run still matches the replica step by step. A copy of the replica
+    taking the step shows how far it would move the weights."""
+    result = _run(_demo_command(["--steps", "7", "--spike-step", "6"]))
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_parity(result.stdout, steps=7, spikes=frozenset({6}))
+    rows = _table(result.stdout)
+    assert [row.skipped for row in rows] == [False] * 5 + [True, False]
+    assert [row.scale for row in rows] == [1.0] * 7  # no scaling, skipping only
+    assert rows[5].norm > 100 * max(row.norm for row in rows[:5])
+    _check_spike_line(result.stdout, rows[:5], rows[5])
+    moved = WITHOUT_POLICY.search(result.stdout)
+    assert moved is not None, result.stdout
+    step, norm, clip, move, ratio, before, before_move = moved.groups()
+    assert (int(step), int(before), float(clip)) == (6, 5, 0.25)
+    assert _close(rows[5].ref_norm, norm, 4)
+    # Clipped, the spike's step is of a usual step's size, a real step, not none.
+    assert 0.1 < float(ratio) < 10
+    assert abs(float(ratio) - float(move) / float(before_move)) <= 0.01
+    (verdict,) = _verdicts(result.stdout)
+    assert "every rank skipped step 6, as the replica (a spike to the policy" in verdict
+    # Rank 0 alone reports, through the policy's logger: its one warning on stderr.
+    (warning,) = result.stderr.splitlines()
+    assert warning.startswith("SpikePolicy skipped step 6 as a spike: gradient norm ")
+
+
+def test_fp16_scaling_skips_a_spike_without_backing_off() -> None:
+    """With fp16 the policy rides in the scaling GradScaler: the inf of step 2 backs the scale
+    off, the spike of step 8 does not (its growth interval counts it: 2048 to 4096, as torch's
+    scaler in the replica, which takes no step there). The skipped inf step is no warm-up value:
+    the first five taken steps are 1 and 3-6."""
+    args = ["--amp", "fp16", "--nonfinite-step", "2", "--spike-step", "8", "--steps", "8"]
+    result = _run(_demo_command([*args, "--tp", "1", "--accum", "1"]))
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_parity(result.stdout, steps=8, spikes=frozenset({8}))
+    rows = _table(result.stdout)
+    assert [row.scale for row in rows] == [1024, 512, 512, 1024, 1024, 2048, 2048, 4096]
+    assert [row.skipped for row in rows] == [False, True] + [False] * 5 + [True]
+    _check_spike_line(result.stdout, [rows[0], *rows[2:7]], rows[7])
+    (verdict,) = _verdicts(result.stdout)
+    assert (
+        "every rank skipped steps 2, 8, as the replica (step 2: grad norms not finite on either "
+        "side, left out of the maxima; step 8: a spike to the policy"
+    ) in verdict
+
+
 def test_bad_option_exits_2_before_launching() -> None:
     result = _run(_demo_command(["--steps", "0"]))
     assert result.returncode == 2
@@ -282,6 +380,23 @@ def test_bad_option_exits_2_before_launching() -> None:
         (["--amp", "fp16", "--nonfinite-step", "0"], "must be a positive integer, got 0"),
         (["--amp", "fp16", "--nonfinite-step", "11"], "--nonfinite-step 11 is past the last step"),
         (["--nonfinite-step", "2"], "--nonfinite-step needs --amp fp16 or --amp bf16"),
+        (["--spike-step", "0"], "argument --spike-step: must be a positive integer, got 0"),
+        (["--spike-step", "11"], "--spike-step 11 is past the last step (10)"),
+        (
+            ["--spike-step", "5"],
+            "--spike-step 5 is within the spike policy's warm-up: its first 5 taken steps "
+            "decide nothing; use a step from 6 to 10",
+        ),
+        (
+            ["--amp", "bf16", "--spike-step", "6"],
+            "its first 5 taken steps (the skipped step 3 not one of them) decide nothing; use a "
+            "step from 7 to 10",
+        ),
+        (["--steps", "4", "--spike-step", "3"], "use a step from 6 on, with --steps 6 or more"),
+        (
+            ["--amp", "fp16", "--nonfinite-step", "7", "--spike-step", "7"],
+            "--spike-step 7 is also the step of the planted inf (--nonfinite-step)",
+        ),
         (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
         (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs --device cuda"),
         (

@@ -1,6 +1,7 @@
 """Loss scaling in the demo: who scales and decides each run's steps, and the planted inf.
 
-The parallel run uses :class:`credit.parallel.amp.GradScaler`; the single-process replica uses
+The parallel run uses :class:`credit.parallel.amp.GradScaler` (holding the spike policy of
+``--spike-step``, with ``scaling=False`` without ``--amp``); the single-process replica uses
 torch's own scaler (right in one process); the contrast run, torch's scaler on the parallel layout.
 Each run's :class:`StepScaler` hides which, so the training loops read the same either way.
 """
@@ -15,7 +16,9 @@ from torch import Tensor, nn
 from credit.parallel._common.compat import local_tensor
 from credit.parallel.amp import GradScaler
 from credit.parallel.demo._cli import Options
+from credit.parallel.demo._spikes import demo_policy
 from credit.parallel.grad_sync import is_tp_sharded
+from credit.parallel.spikes import SpikePolicy
 
 INIT_SCALE = 2.0**10
 GROWTH_INTERVAL = 2  # short, so that the scale grows within the demo's steps
@@ -28,11 +31,18 @@ class StepScaler:
         scaler: a GradScaler (this package's or torch's), or None for plain steps.
         skip_nonfinite: with no scaler, skip a step whose clipped norm is not finite (the
             replica's counterpart of ``GradScaler(scaling=False)``).
+        policy: the spike policy ``scaler`` holds, whose clip the run calls; or None.
     """
 
-    def __init__(self, scaler: torch.amp.GradScaler | None, skip_nonfinite: bool = False) -> None:
+    def __init__(
+        self,
+        scaler: torch.amp.GradScaler | None,
+        skip_nonfinite: bool = False,
+        policy: SpikePolicy | None = None,
+    ) -> None:
         self.scaler = scaler
         self.skip_nonfinite = skip_nonfinite
+        self.policy = policy
 
     @property
     def active(self) -> bool:
@@ -45,13 +55,21 @@ class StepScaler:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer, norm: Tensor) -> bool:
-        """Step ``optimizer`` unless the step must be skipped; return whether it was."""
+    def step(self, optimizer: torch.optim.Optimizer, norm: Tensor, spike: bool = False) -> bool:
+        """Step ``optimizer`` unless the step must be skipped; return whether it was.
+
+        ``spike``: skip it as a spike, decided by the caller (the replica's mirror of the policy;
+        this package's scaler takes its own policy's decision). The scale goes on as after a clean
+        step: a spike is no overflow.
+        """
         if self.scaler is None:
-            skipped = self.skip_nonfinite and not bool(torch.isfinite(norm))
+            skipped = spike or (self.skip_nonfinite and not bool(torch.isfinite(norm)))
             if not skipped:
                 optimizer.step()
             return skipped
+        if spike:
+            self.scaler.update()  # unscale_ found no inf: the growth interval counts the step
+            return True
         before = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
@@ -64,21 +82,29 @@ class StepScaler:
 
 
 def for_parallel_run(options: Options, model: nn.Module, device: torch.device) -> StepScaler:
-    """This package's GradScaler: scaling for fp16, skipping only for bf16; it names
-    ``model``'s parameters when it reports a skipped step."""
-    if options.amp == "off":
+    """This package's GradScaler: scaling for fp16, skipping only for bf16 (and for a spike
+    policy without ``--amp``); it names ``model``'s parameters when it reports a skipped step,
+    and holds the policy of ``--spike-step``."""
+    policy = demo_policy() if options.spike_step is not None else None
+    if options.amp == "off" and policy is None:
         return StepScaler(None)
-    if options.amp == "bf16":
-        return StepScaler(GradScaler(device.type, scaling=False, model=model))
-    scaler = GradScaler(device.type, INIT_SCALE, growth_interval=GROWTH_INTERVAL, model=model)
-    return StepScaler(scaler)
+    if options.amp != "fp16":
+        return StepScaler(
+            GradScaler(device.type, scaling=False, model=model, spikes=policy), policy=policy
+        )
+    scaler = GradScaler(
+        device.type, INIT_SCALE, growth_interval=GROWTH_INTERVAL, model=model, spikes=policy
+    )
+    return StepScaler(scaler, policy=policy)
 
 
 def for_replica(options: Options, device: torch.device) -> StepScaler:
-    """torch's GradScaler in one process for fp16; skipping non-finite steps for bf16."""
+    """torch's GradScaler in one process for fp16; skipping non-finite steps for bf16 and with a
+    spike policy (as ``GradScaler(scaling=False)`` does)."""
     if options.amp == "fp16":
         return StepScaler(_torch_scaler(device, INIT_SCALE))
-    return StepScaler(None, skip_nonfinite=options.amp == "bf16")
+    skips = options.amp == "bf16" or options.spike_step is not None
+    return StepScaler(None, skip_nonfinite=skips)
 
 
 def for_contrast(options: Options, device: torch.device) -> StepScaler:

@@ -21,6 +21,13 @@ OPTIMIZERS = ("adamw", "sgd")
 # scaler only skips non-finite steps). The model computes in float32 either way.
 AMP_MODES = ("off", "fp16", "bf16")
 DEFAULT_NONFINITE_STEP = 3  # with --amp: the step at which one rank's gradient gets an inf
+# --spike-step: SpikePolicy(warmup=SPIKE_WARMUP), its other settings the defaults (a skip above a
+# z-score of 6 over an EMA of the norm, alpha 0.97). Its default warm-up of 25 values outlasts the
+# demo's 10 steps; after 5, the demo's own norms stay far below the limit (measured over 30 steps,
+# AdamW seeds 0-3 and SGD seeds 0-9: z-scores of 3.4 at most), while the planted spike, one data
+# shard's inputs times SPIKE_FACTOR, lies thousands of standard deviations out.
+SPIKE_WARMUP = 5
+SPIKE_FACTOR = 1e3
 START_METHODS = ("fork", "forkserver", "spawn")
 DEFAULT_DP, DEFAULT_TP = 2, 2
 # float32 rounding differs between the sharded run and the replica (TP splits the projections'
@@ -55,6 +62,7 @@ class Options:
     model: ModelConfig = field(default_factory=ModelConfig)
     amp: str = "off"
     nonfinite_step: int | None = None  # the step (from 1) at which one rank plants an inf
+    spike_step: int | None = None  # the step (from 1) at which one data shard's inputs spike
     verify_replicas: int | None = None  # check every copy's bits every N steps (None: never)
     device: str = "cpu"  # where the ranks' tensors live: "cuda" with nccl, either with gloo
 
@@ -184,6 +192,11 @@ def _add_training(group: argparse._ArgumentGroup) -> None:
         default=DEFAULT_RTOL,
         help=f"largest relative difference from the replica that passes. Default: {DEFAULT_RTOL:.0e}",
     )
+    _add_faults(group)
+
+
+def _add_faults(group: argparse._ArgumentGroup) -> None:
+    """The options that plant faults the run must survive, and check its replicas."""
     group.add_argument(
         "--amp",
         choices=AMP_MODES,
@@ -199,6 +212,20 @@ def _add_training(group: argparse._ArgumentGroup) -> None:
         help="with --amp: the step at which the last rank plants an inf in its shard of a "
         f"gradient, which every rank must skip. Default: {DEFAULT_NONFINITE_STEP}, or the last "
         "step if there are fewer",
+    )
+    group.add_argument(
+        "--spike-step",
+        type=_positive_int,
+        metavar="N",
+        help="clip with a credit.parallel.spikes.SpikePolicy held by the GradScaler "
+        "(GradScaler(scaling=False) without --amp), and plant a gradient spike at step N: the "
+        f"inputs of the last rank's data shard times {SPIKE_FACTOR:g}, a step every rank and the "
+        "replica must skip; then print how far taking it would move the weights. The policy is "
+        f"SpikePolicy(warmup={SPIKE_WARMUP}), its other settings the defaults (skip above a "
+        "z-score of 6 over an EMA of the norm, alpha 0.97): the default warm-up of 25 steps "
+        f"outlasts the demo's. N must come after the warm-up: from {SPIKE_WARMUP + 1} on, one "
+        "later when --nonfinite-step is before N (a skipped step does not count). Default: no "
+        "policy",
     )
     group.add_argument(
         "--verify-replicas",
@@ -223,9 +250,11 @@ def _resolve(args: argparse.Namespace, in_place: bool) -> Options:
     _check_model_fit(args.tp, args.domain, model)
     dp = _in_place_dp(args) if in_place else (args.dp or DEFAULT_DP)
     device, start_method = _device_and_start_method(args, dp * args.tp * args.domain)
+    nonfinite_step = _nonfinite_step(args)
     return Options(
         amp=args.amp,
-        nonfinite_step=_nonfinite_step(args),
+        nonfinite_step=nonfinite_step,
+        spike_step=_spike_step(args, nonfinite_step),
         verify_replicas=args.verify_replicas,
         dp=dp,
         tp=args.tp,
@@ -274,6 +303,37 @@ def _nonfinite_step(args: argparse.Namespace) -> int | None:
     step = args.nonfinite_step or min(DEFAULT_NONFINITE_STEP, args.steps)
     if step > args.steps:
         raise ValueError(f"--nonfinite-step {step} is past the last step ({args.steps})")
+    return step
+
+
+def _spike_step(args: argparse.Namespace, nonfinite_step: int | None) -> int | None:
+    """The checked ``--spike-step``: after the policy's warm-up (which a skipped non-finite step
+    lengthens: it enters no history), within the steps, not the non-finite step."""
+    step = args.spike_step
+    if step is None:
+        return None
+    if step > args.steps:
+        raise ValueError(f"--spike-step {step} is past the last step ({args.steps})")
+    if step == nonfinite_step:
+        raise ValueError(
+            f"--spike-step {step} is also the step of the planted inf (--nonfinite-step): "
+            "a non-finite step is skipped as such, not as a spike; pick another step"
+        )
+    shifted = nonfinite_step is not None and nonfinite_step < step
+    first = SPIKE_WARMUP + 1 + shifted
+    if step < first:
+        taken = f"{SPIKE_WARMUP} taken steps"
+        if shifted:
+            taken += f" (the skipped step {nonfinite_step} not one of them)"
+        hint = (
+            f"use a step from {first} to {args.steps}"
+            if first <= args.steps
+            else f"use a step from {first} on, with --steps {first} or more"
+        )
+        raise ValueError(
+            f"--spike-step {step} is within the spike policy's warm-up: its first {taken} "
+            f"decide nothing; {hint}"
+        )
     return step
 
 

@@ -7,14 +7,15 @@ from dataclasses import dataclass, field
 
 @dataclass
 class History:
-    """Per-step loss and pre-clip gradient norm of a run; with loss scaling, the scale after the
-    step and whether the step was skipped; with replica checks, when each ran, what it cost, and
-    what it found."""
+    """Per-step loss and pre-clip gradient norm of a run; with loss scaling or a spike policy, the
+    scale after the step, whether the step was skipped, and whether as a spike; with replica
+    checks, when each ran, what it cost, and what it found."""
 
     loss: list[float] = field(default_factory=list)
     norm: list[float] = field(default_factory=list)
     scale: list[float] = field(default_factory=list)
     skipped: list[bool] = field(default_factory=list)
+    spikes: list[bool] = field(default_factory=list)  # skipped as a spike (not a NaN or inf)
     checks: list[tuple[int, float]] = field(default_factory=list)  # (step, milliseconds)
     compared: int = 0  # tensors with copies on other ranks, per check
     tensors: int = 0
@@ -24,9 +25,10 @@ class History:
         self.loss.append(loss)
         self.norm.append(norm)
 
-    def record_scaler(self, scale: float, skipped: bool) -> None:
+    def record_scaler(self, scale: float, skipped: bool, spike: bool = False) -> None:
         self.scale.append(scale)
         self.skipped.append(skipped)
+        self.spikes.append(spike)
 
     def record_check(self, step: int, milliseconds: float, compared: int, tensors: int) -> None:
         self.checks.append((step, milliseconds))

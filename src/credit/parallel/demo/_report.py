@@ -9,10 +9,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from credit.parallel.demo._amp import GROWTH_INTERVAL, INIT_SCALE
+from credit.parallel.demo._cli import SPIKE_FACTOR, SPIKE_WARMUP
 
 if TYPE_CHECKING:
     from credit.parallel.demo._cli import Options
     from credit.parallel.demo._history import History
+    from credit.parallel.demo._spikes import SpikeSeen
     from credit.parallel.replicas import Mismatch
 
 MESSAGE_WIDTH = 90
@@ -60,6 +62,24 @@ def ready(options: Options, parameters: int, started: float) -> None:
     )
     if options.amp != "off":
         say(f"loss scaling: {_scaling_description(options)}")
+    if options.spike_step is not None:
+        say(f"spikes: {_as_whatdescription(options)}")
+
+
+def _as_whatdescription(options: Options) -> str:
+    held = "credit.parallel.amp.GradScaler" + ("(scaling=False)" if options.amp != "fp16" else "")
+    return (
+        f"SpikePolicy(warmup={SPIKE_WARMUP}) held by {held}, skipping a step whose grad norm "
+        f"lies over 6 standard deviations above its moving average; at step {options.spike_step}, "
+        f"the inputs of the last rank's data shard x {SPIKE_FACTOR:g} (dp rank {options.dp - 1}: "
+        f"{_ranks(_shard_ranks(options))}); replica: the same rule on its own norms"
+    )
+
+
+def _shard_ranks(options: Options) -> list[int]:
+    """The ranks that train on the last dp rank's data shard."""
+    per_shard = options.tp * options.domain
+    return list(range((options.dp - 1) * per_shard, options.dp * per_shard))
 
 
 def _scaling_description(options: Options) -> str:
@@ -112,7 +132,7 @@ def shorten(message: str, width: int = MESSAGE_WIDTH) -> str:
 
 
 def header(options: Options) -> None:
-    scaled = options.amp != "off"
+    scaled = options.amp != "off" or options.spike_step is not None
     columns = COLUMNS + SCALER_COLUMNS * scaled
     widths = WIDTHS + SCALER_WIDTHS * scaled
     say("  ".join(name.rjust(width) for name, width in zip(columns, widths, strict=True)))
@@ -164,6 +184,41 @@ def torch_scaler(step: int, skipped: list[bool], diverged: str | None) -> None:
         say(f"verify_replicas after torch's scaler's step: {diverged}")
 
 
+def spike(
+    options: Options, skipped: list[bool], figures: dict[str, float], seen: SpikeSeen | None
+) -> None:
+    """Two lines on the planted spike: which ranks skipped it (``skipped``, by rank), with the
+    policy's figures and the replica's decision; and what taking it, without the policy, does
+    to the weights (measured on copies of the replica)."""
+    step = options.spike_step
+    assert step is not None and seen is not None
+    skipping = [rank for rank, flag in enumerate(skipped) if flag]
+    stepping = [rank for rank, flag in enumerate(skipped) if not flag]
+    if not stepping:
+        who = f"every rank skipped step {step} as a spike"
+    elif not skipping:
+        who = f"no rank skipped step {step} as a spike"
+    else:
+        who = f"{_ranks(skipping)} skipped step {step} as a spike, {_ranks(stepping)} took it"
+    replica = f"z-score {seen.zscore:.3g}" if seen.zscore is not None else "in its warm-up"
+    say(
+        f"SpikePolicy: {who}: grad norm {figures['norm']:.4g}, z-score "
+        f"{figures['norm_z']:.3g} (skipped above {figures['skip_limit']:.4g}); the replica "
+        f"{'skipped' if seen.skipped else 'took'} it ({replica} on its own norms)"
+    )
+    measure = "||w_after - w_before|| / ||w_before||, all parameters, on copies of the replica"
+    before = ""
+    if seen.previous is not None and seen.previous[1] > 0:
+        prior, moved = seen.previous
+        before = f", {seen.move / moved:.2f}x step {prior}'s {moved:.2e}"
+    still = "; with it they do not move" if not stepping else ""
+    say(
+        f"without the policy: step {step} is taken, its grad norm {seen.norm:.4g} clipped to "
+        f"{options.max_norm:g}, and the weights move by {seen.move:.2e} ({measure}){before}"
+        f"{still}"
+    )
+
+
 def mismatches(step: int, found: Iterable[Mismatch]) -> str:
     """What a failed replica check found, in one line: the first two tensors, each with every
     rank whose copy differs from a strict majority's, or the ranks of each group that disagree
@@ -193,20 +248,48 @@ def replica_checks(run: History) -> None:
     )
 
 
-def _skips(skipped: list[bool]) -> str:
-    """Which steps every rank skipped, as the replica, for the verdict."""
+def _skips(skipped: list[bool], spikes: list[bool]) -> str:
+    """Which steps every rank skipped, as the replica, and why, for the verdict."""
     steps = [step for step, flag in enumerate(skipped, 1) if flag]
     if not steps:
         return "no rank skipped a step, nor did the replica"
-    which = f"{'step' if len(steps) == 1 else 'steps'} {', '.join(map(str, steps))}"
-    return (
-        f"every rank skipped {which}, as the replica (grad norms not finite on either side, "
-        "left out of the maxima)"
-    )
+    spiked = [step for step in steps if spikes[step - 1]]
+    non_finite = [step for step in steps if not spikes[step - 1]]
+    reasons = []
+    if non_finite:
+        reasons.append("grad norms not finite on either side, left out of the maxima")
+    if spiked:
+        as_what = "a spike" if len(spiked) == 1 else "spikes"
+        reasons.append(f"{as_what} to the policy and to the replica's rule alike, norms compared")
+    if non_finite and spiked:
+        by_step = [(non_finite, reasons[0]), (spiked, reasons[1])]
+        reasons = [f"{_steps(which)}: {why}" for which, why in sorted(by_step)]
+    return f"every rank skipped {_steps(steps)}, as the replica ({'; '.join(reasons)})"
+
+
+def _steps(steps: list[int]) -> str:
+    return f"{'step' if len(steps) == 1 else 'steps'} {', '.join(map(str, steps))}"
 
 
 def _ranks(ranks: list[int]) -> str:
     return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks)) or 'none'}"
+
+
+def _norm_difference(run: History, replica: History) -> float:
+    """The largest relative difference of the grad norms, steps skipped for a NaN or inf left
+    out."""
+    skipped = run.skipped or [False] * len(run.norm)
+    spikes = run.spikes or [False] * len(run.norm)
+    return max(
+        (
+            relative(value, reference)
+            for value, reference, skip, spike in zip(
+                run.norm, replica.norm, skipped, spikes, strict=True
+            )
+            if spike or not skip
+        ),
+        default=0.0,
+    )
 
 
 def verdict(
@@ -219,21 +302,18 @@ def verdict(
 ) -> bool:
     """Print the one-line verdict; return whether the run matches the replica.
 
-    With loss scaling, the run must also skip the steps the replica skips, with its scales; the
-    norms of skipped steps (not finite on either side) are left out of the maxima.
+    With loss scaling or a spike policy, the run must also skip the steps the replica skips, for
+    the same causes, with its scales; the norms of steps skipped for a NaN or inf (not finite on
+    either side) are left out of the maxima, a spike's are compared.
     """
     loss = max(map(relative, run.loss, replica.loss))
-    skipped = run.skipped or [False] * len(run.norm)
-    norm = max(
-        (
-            relative(value, reference)
-            for value, reference, skip in zip(run.norm, replica.norm, skipped, strict=True)
-            if not skip
-        ),
-        default=0.0,
-    )
+    norm = _norm_difference(run, replica)
     worst = max(loss, norm, weights)
-    scaler_agrees = run.skipped == replica.skipped and run.scale == replica.scale
+    scaler_agrees = (run.skipped, run.spikes, run.scale) == (
+        replica.skipped,
+        replica.spikes,
+        replica.scale,
+    )
     passed = worst <= options.rtol and same_bits and scaler_agrees and run.diverged is None
     figures = (
         f"max relative difference {loss:.1e} (loss), {norm:.1e} (grad norm), "
@@ -241,7 +321,7 @@ def verdict(
         f"tolerance {options.rtol:.0e}"
     )
     elapsed = f"{time.perf_counter() - started:.1f} s"
-    skips = f"; {_skips(run.skipped)}" if run.skipped else ""
+    skips = f"; {_skips(run.skipped, run.spikes)}" if run.skipped else ""
     if passed:
         say(
             f"PASS: the {options.world}-rank run matches the single-process replica: {figures}; "

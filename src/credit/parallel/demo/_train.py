@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import math
 import os
@@ -15,14 +16,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from credit.parallel._common.groups import collective_device
 from credit.parallel._common.launch import init_process_group
 from credit.parallel.collectives import all_reduce_avg, clip_grad_norm_
-from credit.parallel.demo import _amp, _report
+from credit.parallel.demo import _amp, _report, _spikes
 from credit.parallel.demo._cli import Options
 from credit.parallel.demo._history import History
 from credit.parallel.demo._model import (
@@ -141,6 +142,10 @@ def _train_and_compare(
             _report.row(step, run.history, replica.history)
     if replica is not None and options.verify_replicas is not None:
         _report.replica_checks(run.history)
+    if options.spike_step is not None:
+        everyone = _on_every_rank(run.history.spikes[options.spike_step - 1], device)
+        if replica is not None:
+            _report.spike(options, everyone, run.spike_figures, replica.spike_seen)
     if options.nonfinite_step is not None:
         skips, diverged = _torch_scaler_skips(options, mesh, device)
         if replica is not None:
@@ -171,10 +176,15 @@ def _torch_scaler_skips(
         run.step(step)
     if options.verify_replicas is not None and options.nonfinite_step % options.verify_replicas:
         run.check_replicas(options.nonfinite_step)  # not checked by step(): check it now
-    skipped = torch.tensor([float(run.history.skipped[-1])], device=device)
-    everyone = [torch.empty_like(skipped) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, skipped)
-    return [bool(flag.item()) for flag in everyone], run.history.diverged
+    return _on_every_rank(run.history.skipped[-1], device), run.history.diverged
+
+
+def _on_every_rank(flag: bool, device: torch.device) -> list[bool]:
+    """Every rank's ``flag``, by rank (gathered on every rank)."""
+    mine = torch.tensor([float(flag)], device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [bool(value.item()) for value in everyone]
 
 
 class _ParallelRun:
@@ -207,6 +217,7 @@ class _ParallelRun:
         self.rows = band(options.model.lat, options.domain, domain_rank)
         self.weights = latitude_weights(options.model).to(device)
         self.history = History()
+        self.spike_figures: dict[str, float] = {}  # the policy's metrics at --spike-step
 
     def step(self, step: int) -> str | None:
         """One optimizer step, recorded in ``history``; at step 1, torch's clip's error if any."""
@@ -217,6 +228,8 @@ class _ParallelRun:
             self.fsdp.set_requires_gradient_sync(micro == o.accum - 1)
             x, y = global_batch(o.model, o.dp * o.micro_batch, o.seed, step, micro)
             x, y = (t.chunk(o.dp)[self.dp_rank].to(self.device) for t in (x, y))
+            if step == o.spike_step:
+                x = _spikes.spiked_shard(x, o.dp, self.dp_rank)
             loss = band_loss(self.model(x), y, self.weights, self.rows, o.domain)
             self.scaler.scale(loss / o.accum).backward()
             total += loss.detach()
@@ -227,17 +240,33 @@ class _ParallelRun:
             _amp.plant_inf(self.model, self.planted)
         torch_clip = _try_torch_clip(self.model) if step == 1 and self.probe_torch_clip else None
         self.scaler.unscale_(self.optimizer)
-        norm = clip_grad_norm_(self.model.parameters(), o.max_norm)
+        norm = self._clip(step)
         skipped = self.scaler.step(self.optimizer, norm)
         self.optimizer.zero_grad()
         mean_loss = total / o.accum
         all_reduce_avg(mean_loss)  # the mean over bands and over dp shards: the global loss
         self.history.record(float(mean_loss), float(norm))
         if self.scaler.active:
-            self.history.record_scaler(self.scaler.get_scale(), skipped)
+            self.history.record_scaler(self.scaler.get_scale(), skipped, self._was_spike())
         if o.verify_replicas is not None and step % o.verify_replicas == 0:
             self.check_replicas(step)
         return torch_clip
+
+    def _clip(self, step: int) -> Tensor:
+        """Clip and return the norm: by the spike policy where there is one (whose decision the
+        scaler then takes), else by clip_grad_norm_."""
+        policy = self.scaler.policy
+        if policy is None:
+            return clip_grad_norm_(self.model.parameters(), self.options.max_norm)
+        norm = policy.clip_grad_norm_(self.model.parameters(), max_norm=self.options.max_norm)
+        if step == self.options.spike_step:
+            self.spike_figures = {name: float(value) for name, value in policy.metrics().items()}
+        return norm
+
+    def _was_spike(self) -> bool:
+        """Whether the policy decided the last step a spike (reads the device)."""
+        policy = self.scaler.policy
+        return policy is not None and bool(policy.metrics()["spike"])
 
     def check_replicas(self, step: int) -> None:
         """Prove every copy of the parameters and the optimizer state bit-identical (every rank
@@ -255,7 +284,7 @@ class _ParallelRun:
 
 class _Replica:
     """The same model and data in one process, with torch's own clip_grad_norm_ (and its own
-    GradScaler)."""
+    GradScaler, and the spike policy's rule on its own norms)."""
 
     def __init__(self, model: nn.Module, options: Options, device: torch.device) -> None:
         self.model, self.options, self.device = model, options, device
@@ -263,15 +292,23 @@ class _Replica:
         self.optimizer = _optimizer(model, options)
         self.weights = latitude_weights(options.model).to(device)
         self.history = History()
+        self.mirror: _spikes.SpikeMirror | None = None
+        if options.spike_step is not None:
+            self.mirror = _spikes.SpikeMirror(_spikes.demo_policy().settings)
+        self.spike_seen: _spikes.SpikeSeen | None = None  # the spike step, as seen here
+        self.last_move: tuple[int, float] | None = None  # the last step taken, how far it moved
 
     def step(self, step: int, planted: str) -> None:
         """One optimizer step on the whole global batch, recorded in ``history``; at the planted
-        step, an inf in parameter ``planted``'s gradient, as the parallel run gets one."""
+        step, an inf in parameter ``planted``'s gradient, as the parallel run gets one; at the
+        spike step, the last data shard's inputs scaled, as the parallel run's."""
         o = self.options
         total = torch.zeros((), device=self.device)
         every_row = band(o.model.lat, 1, 0)
         for micro in range(o.accum):
             x, y = global_batch(o.model, o.dp * o.micro_batch, o.seed, step, micro)
+            if step == o.spike_step:
+                x = _spikes.spiked_batch(x, o.dp)
             x, y = x.to(self.device), y.to(self.device)
             loss = band_loss(self.model(x), y, self.weights, every_row, 1)
             self.scaler.scale(loss / o.accum).backward()
@@ -280,11 +317,31 @@ class _Replica:
             _amp.plant_inf(self.model, planted)
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.max_norm)
-        skipped = self.scaler.step(self.optimizer, norm)
+        skipped, spike = self._take_or_skip(step, norm)
         self.optimizer.zero_grad()
         self.history.record(float(total / o.accum), float(norm))
         if self.scaler.active:
-            self.history.record_scaler(self.scaler.get_scale(), skipped)
+            self.history.record_scaler(self.scaler.get_scale(), skipped, spike)
+
+    def _take_or_skip(self, step: int, norm: Tensor) -> tuple[bool, bool]:
+        """Step the optimizer unless the scaler or the spike rule skips it; whether it was
+        skipped, and whether as a spike. At the spike step, first measure on copies how far the
+        step would move the weights without the rule."""
+        if self.mirror is None:
+            return self.scaler.step(self.optimizer, norm), False
+        value = float(norm)
+        spike = self.mirror.is_spike(value)
+        if step == self.options.spike_step:
+            build = functools.partial(_optimizer, options=self.options)
+            move = _spikes.move_without_policy(self.model, self.optimizer, build)
+            z = self.mirror.zscore(value)
+            self.spike_seen = _spikes.SpikeSeen(value, z, spike, move, self.last_move)
+        before = _spikes.weights(self.model)
+        skipped = self.scaler.step(self.optimizer, norm, spike)
+        if not skipped:
+            self.mirror.take(value)
+            self.last_move = (step, _spikes.relative_move(before, self.model))
+        return skipped, spike
 
 
 def _optimizer(model: nn.Module, options: Options) -> torch.optim.Optimizer:
@@ -321,10 +378,13 @@ def _weights_difference(model: nn.Module, replica: _Replica | None) -> float:
 
 
 def _same_bits_everywhere(history: History) -> bool:
-    """Whether every rank recorded the same bits of every step's loss and grad norm (and scale
-    and skipped step)."""
+    """Whether every rank recorded the same bits of every step's loss and grad norm (and scale,
+    skipped step and spike)."""
     values = torch.tensor(
-        history.loss + history.norm + history.scale + list(map(float, history.skipped)),
+        history.loss
+        + history.norm
+        + history.scale
+        + list(map(float, history.skipped + history.spikes)),
         dtype=torch.float64,
         device=collective_device(),
     )
