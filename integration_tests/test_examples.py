@@ -5,7 +5,8 @@ Every console line of ``docs/integrations.rst`` and every inline command of ``RE
 runs a script of ``docs/examples/`` on the CPU (those with ``--device cuda`` need 4 GPUs, those
 with ``--nnodes`` several machines) is run here as written, once, from the repository root, with
 this environment's ``python``, ``torchrun`` and ``accelerate`` first on the PATH. Each script
-prints one line per step; the framework scripts and the plain loop end with a ``done:`` line once
+prints one line per step; the framework scripts, the plain loop and the spike example (which
+raises unless its planted spike was skipped) end with a ``done:`` line once
 every rank has proven every copy of every weight and optimizer state bit-identical
 (``verify_replicas``). Their gradient norms are the same on every rank by construction of the
 clip, which the other integration tests check against the materialised gradients.
@@ -62,9 +63,9 @@ def _commands() -> list[tuple[str, str]]:
 COMMANDS = _commands()
 
 
-def test_the_page_runs_a_script_per_framework_and_the_plain_loop():
+def test_the_page_runs_a_script_per_framework_the_plain_loop_and_the_spikes():
     scripts = {script for script, _ in COMMANDS}
-    assert scripts >= {"torchrun_loop", *FRAMEWORKS}, scripts
+    assert scripts >= {"torchrun_loop", "spikes", *FRAMEWORKS}, scripts
     for script in scripts:
         assert (ROOT / "docs" / "examples" / f"{script}.py").is_file(), script
 

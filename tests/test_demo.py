@@ -331,7 +331,7 @@ def test_a_planted_spike_is_skipped_on_every_rank_and_by_the_replica() -> None:
     assert "every rank skipped step 6, as the replica (a spike to the policy" in verdict
     # Rank 0 alone reports, through the policy's logger: its one warning on stderr.
     (warning,) = result.stderr.splitlines()
-    assert warning.startswith("SpikePolicy skipped step 6 as a spike: gradient norm ")
+    assert warning.startswith("SpikePolicy skipped the 6th step it saw as a spike: gradient norm ")
 
 
 def test_fp16_scaling_skips_a_spike_without_backing_off() -> None:

@@ -169,7 +169,9 @@ def test_a_skipped_spike_leaves_the_weights_and_warns_on_rank_0(caplog):
     with caplog.at_level(logging.WARNING, logger="credit.parallel.spikes"):
         run.step(100.0, loss=3.0)
     (message,) = caplog.messages
-    assert message.startswith("SpikePolicy skipped step 7 as a spike: gradient norm 100")
+    assert message.startswith(
+        "SpikePolicy skipped the 7th step it saw as a spike: gradient norm 100"
+    )
     assert "; loss 3 (z-score " in message
 
 

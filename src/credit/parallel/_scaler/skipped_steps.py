@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from credit.parallel._common.groups import collective_device, is_distributed, world_of_one
+from credit.parallel._common.text import ordinal
 from credit.parallel._scaler import found_inf as _found_inf
 
 # The records carry the name of the public module, which users configure.
@@ -89,7 +90,7 @@ class SkippedSteps:
         spoiled = flag.spoiled is not None and bool(flag.spoiled.item())
         logger.warning(
             "GradScaler skipped a step (the %s skipped so far): %s",
-            _ordinal(self._reports),
+            ordinal(self._reports),
             f"non-finite gradients in {held}"
             if held
             else (_SPOILED if spoiled else "no gradient this scaler checks held a NaN or inf"),
@@ -126,11 +127,3 @@ def _gather_text(text: str) -> list[str]:
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
-
-
-def _ordinal(number: int) -> str:
-    """``number`` as an English ordinal: 1st, 2nd, 3rd, 4th, 11th, 21st."""
-    suffix = (
-        "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
-    )
-    return f"{number}{suffix}"

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from credit.parallel._common.groups import is_distributed
+from credit.parallel._common.text import ordinal
 from credit.parallel._spikes.decision import Decision
 from credit.parallel._spikes.settings import SpikeSettings
 
@@ -38,4 +39,8 @@ def report_spike(settings: SpikeSettings, decision: Decision) -> None:
     if observed.groups:
         largest = sorted(observed.groups.items(), key=lambda item: -item[1])[:_LARGEST_GROUPS]
         parts.append("largest groups: " + ", ".join(f"{k} {v:.6g}" for k, v in largest))
-    logger.warning("SpikePolicy skipped step %d as a spike: %s", observed.step, "; ".join(parts))
+    logger.warning(
+        "SpikePolicy skipped the %s step it saw as a spike: %s",
+        ordinal(observed.step),
+        "; ".join(parts),
+    )
