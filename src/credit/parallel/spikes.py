@@ -221,7 +221,8 @@ class SpikePolicy:
         """The last step's figures, as device scalars (no host read): ``norm``, ``norm_z``,
         ``skip_limit`` (the norm above which it would have been skipped), ``clip_bound`` (the
         clip's ``max_norm``, inf for none), ``spike`` (1.0 when it was decided a spike), and
-        ``loss`` and ``loss_z`` where a loss was given. Empty before the first step."""
+        ``loss`` and ``loss_z`` where a loss was given. The z-scores are NaN until the warm-up is
+        over. Empty before the first step."""
         decision = self._last
         if decision is None:
             return {}
@@ -275,7 +276,10 @@ class SpikePolicy:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from a state of :meth:`state_dict`: the decisions of a run resumed at step k are
-        those of the run that went straight through.
+        those of the run that went straight through, given the same norms. (Under DDP, the first
+        step after a restart sums the gradients in another bucket order, as DDP rebuilds its
+        buckets after its first iteration: its norm may differ from the straight run's by a few
+        ULPs.)
 
         Raises:
             ValueError: the state was saved under another ``history``, ``window`` or ``warmup``,

@@ -3,10 +3,10 @@
 Both kinds hold a buffer of past values and how many entered, and answer the mean and standard
 deviation a z-score is taken against:
 
-- ``"ema"``: the first ``warmup`` values fill the buffer; their mean and (population) variance
-  start an exponential moving average, which every later value updates:
-  ``mean = alpha * mean + (1 - alpha) * x``, ``var = alpha * var + (1 - alpha) * (x - mean)**2``
-  (with the updated mean), as ZClip does.
+- ``"ema"``: the mean and (population) variance of the first ``warmup`` values, kept as they
+  come (Welford's updates), start an exponential moving average, which every later value
+  updates: ``mean = alpha * mean + (1 - alpha) * x``,
+  ``var = alpha * var + (1 - alpha) * (x - mean)**2`` (with the updated mean), as ZClip does.
 - ``"window"``: the buffer is a ring of the last ``window`` values, whose mean and sample standard
   deviation (``n - 1``) are taken, as OLMo-core's skipped steps do.
 
@@ -30,11 +30,12 @@ class ValueHistory:
     """The past values of one quantity.
 
     Attributes:
-        values: the warm-up values (``"ema"``) or the ring of the last values (``"window"``),
-            float32.
+        values: the ring of the last values (``"window"``; empty for ``"ema"``), float32.
         count: how many values entered so far, an int64 scalar.
-        mean: the moving average (``"ema"``, after the warm-up), a float32 scalar.
-        var: the moving variance (``"ema"``, after the warm-up), a float32 scalar.
+        mean: the mean of the warm-up's values, then the moving average (``"ema"``), a float32
+            scalar.
+        var: their population variance, then the moving variance (``"ema"``), a float32
+            scalar.
     """
 
     values: Tensor
@@ -62,7 +63,7 @@ class Moments:
 
 def empty(settings: SpikeSettings, device: torch.device) -> ValueHistory:
     """A history with no value yet."""
-    size = settings.warmup if settings.history == "ema" else settings.window
+    size = 0 if settings.history == "ema" else settings.window
     zero = torch.zeros((), dtype=torch.float32, device=device)
     return ValueHistory(
         torch.zeros(size, dtype=torch.float32, device=device),
@@ -96,37 +97,34 @@ def entered(
     settings: SpikeSettings, history: ValueHistory, value: Tensor, take: Tensor
 ) -> ValueHistory:
     """``history`` with ``value`` entered where ``take`` (a bool scalar), else unchanged."""
-    size = history.values.numel()
-    positions = torch.arange(size, device=history.values.device)
-    if settings.history == "window":
-        slot = history.count % size
-        values = torch.where(take & (positions == slot), value, history.values)
-        return ValueHistory(values, history.count + take, history.mean, history.var)
-    warming = history.count < settings.warmup
-    filled = torch.where(positions == history.count.clamp(max=size - 1), value, history.values)
-    values = torch.where(take & warming, filled, history.values)
     count = history.count + take
-    starts = take & warming & (count == settings.warmup)
-    first_mean = filled.mean()
-    first_var = (filled - first_mean).square().mean()
-    moves = take & ~warming
-    alpha = settings.alpha
-    mean = alpha * history.mean + (1 - alpha) * value
-    var = alpha * history.var + (1 - alpha) * (value - mean).square()
+    if settings.history == "window":
+        positions = torch.arange(settings.window, device=value.device)
+        slot = history.count % settings.window
+        values = torch.where(take & (positions == slot), value, history.values)
+        return ValueHistory(values, count, history.mean, history.var)
+    delta = value - history.mean
+    warming = history.count < settings.warmup
+    # Welford's running mean and population variance during the warm-up; the moving ones after.
+    n = count.clamp(min=1).to(torch.float32)
+    mean = torch.where(
+        warming, history.mean + delta / n, history.mean + (1 - settings.alpha) * delta
+    )
+    var = torch.where(
+        warming,
+        history.var + (delta * (value - mean) - history.var) / n,
+        settings.alpha * history.var + (1 - settings.alpha) * (value - mean).square(),
+    )
     return ValueHistory(
-        values,
+        history.values,
         count,
-        torch.where(starts, first_mean, torch.where(moves, mean, history.mean)),
-        torch.where(starts, first_var, torch.where(moves, var, history.var)),
+        torch.where(take, mean, history.mean),
+        torch.where(take, var, history.var),
     )
 
 
-def restarted(settings: SpikeSettings, history: ValueHistory, when: Tensor) -> ValueHistory:
-    """``history`` emptied where ``when`` (a bool scalar), else unchanged."""
-    empty_history = empty(settings, history.values.device)
-    return ValueHistory(
-        *(
-            torch.where(when, fresh, kept)
-            for fresh, kept in zip(empty_history.tensors(), history.tensors(), strict=True)
-        )
-    )
+def restarted(history: ValueHistory, when: Tensor) -> ValueHistory:
+    """``history`` started over where ``when`` (a bool scalar), else unchanged: with no value
+    counted, the window's old values are out of it, and a new warm-up starts the average over."""
+    count = history.count * ~when
+    return ValueHistory(history.values, count, history.mean, history.var)

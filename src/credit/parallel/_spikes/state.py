@@ -74,8 +74,8 @@ def settled(
         losses = _history.empty(settings, bad.device) if losses is None else losses
         losses = _history.entered(settings, losses, observed.loss, take)
     return SpikeState(
-        _history.restarted(settings, norms, restart),
-        None if losses is None else _history.restarted(settings, losses, restart),
+        _history.restarted(norms, restart),
+        None if losses is None else _history.restarted(losses, restart),
         counts,
         state.steps,
     )
