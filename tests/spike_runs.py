@@ -221,11 +221,10 @@ def train(name: str, policy: SpikePolicy | None, skip_by_hand: int | None = None
 
 
 def history_bits(state: dict) -> dict[str, list[int]]:
-    """The histories of a policy's ``state_dict`` (norms, and losses where kept), as the bits of
-    each value: equal when nothing entered them."""
+    """The history of a policy's ``state_dict`` (the norm's and the loss's statistics), as the
+    bits of each value: equal when nothing entered it."""
     bits = {}
-    for key in ("norms", "losses"):
-        for field, tensor in state.get(key, {}).items():
-            as_ints = tensor.view(torch.int32) if tensor.is_floating_point() else tensor
-            bits[f"{key}.{field}"] = as_ints.reshape(-1).tolist()
+    for field, tensor in state["statistics"].items():
+        as_ints = tensor.view(torch.int32) if tensor.is_floating_point() else tensor
+        bits[field] = as_ints.reshape(-1).tolist()
     return bits

@@ -259,6 +259,12 @@ def test_bad_calls_raise_before_any_gradient_is_modified():
     with pytest.raises(TypeError, match="loss must be a tensor of one element or a number"):
         policy.clip_grad_norm_([param], 1.0, loss="1.0")
     assert torch.equal(param.grad, torch.full((3,), 5.0)) and policy.metrics() == {}
+    other = nn.Parameter(torch.ones(1))
+    other.grad = torch.ones(1)
+    policy.clip_grad_norm_([other], loss=1.0)
+    with pytest.raises(ValueError, match="loss was given to this SpikePolicy's earlier steps"):
+        policy.clip_grad_norm_([param], 1.0)
+    assert torch.equal(param.grad, torch.full((3,), 5.0))
     run = _Run(SpikePolicy())
     run.step(1.0)
     run.scaler.unscale_(run.optimizer)  # type: ignore[union-attr]
@@ -278,19 +284,23 @@ def test_a_spike_keeps_the_fp16_scale_and_a_non_finite_step_enters_no_history():
     param = nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=1.0)
     scaler = GradScaler("cpu", init_scale=8.0, growth_interval=1000, spikes=policy)
-    scales, counts = [], []
-    for norm in [1.0, 1.2, 0.8, 1.1, 0.9, 1e3, math.inf, 1.0]:
+    scales, counts, moments = [], [], []
+    for norm in [1.0, 1.2, 0.8, 1.1, 0.9, 1e3, math.inf, math.nan, 1.0, 1e3, 1.05]:
         scaler.scale(torch.ones(()))
         param.grad = torch.tensor([norm * scaler.get_scale()])
         scaler.unscale_(optimizer)
-        policy.clip_grad_norm_([param])
+        policy.clip_grad_norm_([param], loss=norm)
         scaler.step(optimizer)
         scaler.update()
         scales.append(scaler.get_scale())
-        counts.append(int(policy.state_dict()["norms"]["count"]))
-    assert scales == [8.0] * 6 + [4.0, 4.0]  # the spike keeps the scale; the inf backs it off
-    assert counts == [1, 2, 3, 4, 5, 5, 5, 6]  # neither the spike nor the inf entered
-    assert (policy.skipped_spikes, policy.skipped_non_finite, scaler.skipped_steps) == (1, 1, 2)
+        statistics = policy.state_dict()["statistics"]
+        counts.append(int(statistics["count"]))
+        moments.append(torch.cat([statistics["mean"], statistics["var"]]))
+    # The spikes keep the scale; the inf and the NaN back it off.
+    assert scales == [8.0] * 6 + [4.0, 2.0, 2.0, 2.0, 2.0]
+    assert counts == [1, 2, 3, 4, 5, 5, 5, 5, 6, 6, 7]  # no spike, inf or NaN entered
+    assert torch.equal(moments[5], moments[7]) and torch.isfinite(moments[7]).all()
+    assert (policy.skipped_spikes, policy.skipped_non_finite, scaler.skipped_steps) == (2, 2, 4)
 
 
 @pytest.mark.parametrize("restart_after", [4, None])

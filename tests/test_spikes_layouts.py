@@ -91,7 +91,7 @@ def _spiked_layout(name: str) -> dict:
         "skipped": spiked["skipped"],
         "kept": spiked["kept"],
         "counts": (policy.skipped_spikes, policy.skipped_non_finite, spiked["skipped_steps"]),
-        "entered": int(policy.state_dict()["norms"]["count"]),
+        "entered": int(policy.state_dict()["statistics"]["count"]),
         "decisions": [{k: float_bits(v) for k, v in m.items()} for m in spiked["metrics"]],
         "norm_z": [float(m["norm_z"]) for m in spiked["metrics"]],
         "norm_ulps": [
@@ -179,7 +179,7 @@ def test_an_inf_backs_off_and_a_spike_keeps_the_scale(ranks):
         assert record["counts"] == (1, 1, 2), f"rank {rank}"
         assert record["copies"], f"rank {rank}"
         histories = [history_bits(state) for state in record["states"]]
-        counts = [state["norms"]["count"].item() for state in record["states"]]
+        counts = [state["statistics"]["count"].item() for state in record["states"]]
         assert counts == [0, 1, 2, 3, 3, 3, 4], f"rank {rank}: {counts}"
         for step in range(SCALED_STEPS):
             moved = histories[step + 1] != histories[step]
@@ -353,7 +353,7 @@ def test_a_spike_skips_only_its_optimizer(ranks):
         # B's history and weights are those of the run without the spike, bit for bit.
         assert spiked["histories"][1] == clean["histories"][1], f"rank {rank}"
         assert _same_bits(spiked["dense"], clean["dense"]), f"rank {rank}"
-        entered = [run["histories"][0]["norms.count"] for run in (spiked, clean)]
+        entered = [run["histories"][0]["count"] for run in (spiked, clean)]
         assert entered == [[STEPS - 1], [STEPS]], f"rank {rank}: {entered}"
 
 

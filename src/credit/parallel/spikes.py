@@ -161,9 +161,9 @@ class SpikePolicy:
             norm_type, error_if_nonfinite, foreach, pp_group, distinct_along, dtype, check: as for
                 :func:`~credit.parallel.collectives.clip_grad_norm_`.
             loss: this rank's loss (a tensor of one element, or a number), averaged over the
-                world and tested as the norm is; give it on every rank or on none (under
-                pipeline stages, 0 where a stage has none: a z-score does not change with the
-                scale).
+                world and tested as the norm is; give it on every rank and every step, or never
+                (under pipeline stages, 0 where a stage has none: a z-score does not change
+                with the scale).
             groups: the step's :func:`~credit.parallel.norm_report.grad_norm_report`, whose
                 largest groups the report of a skipped spike names.
 
@@ -177,12 +177,13 @@ class SpikePolicy:
             TypeError, ValueError, RuntimeError: as
                 :func:`~credit.parallel.collectives.clip_grad_norm_`; ``max_norm`` is not a
                 number or ``loss`` not a number or a tensor of one element (ValueError or
-                TypeError); the policy skips steps and no ``GradScaler`` holds it
+                TypeError), or ``loss`` is given now and was not on earlier steps, or the
+                reverse (ValueError); the policy skips steps and no ``GradScaler`` holds it
                 (RuntimeError). Each is raised before any collective, with no gradient
                 modified.
         """
         ceiling = _ceiling(max_norm)
-        _check_loss(loss)
+        _check_loss(loss, self._state)
         self._begin_step()
         params, names = _inputs.parameter_list(parameters)
         grads = [grad for p in params if (grad := p.grad) is not None]
@@ -205,13 +206,13 @@ class SpikePolicy:
         total = reduced.total
         state = self._state_on(total.device)
         observed = _spikes.Observed(
-            total.float(), _world_loss(loss, total.device), ceiling, groups, state.steps + 1
+            _observed_values(total, loss), loss is not None, ceiling, groups, state.steps + 1
         )
-        decision = _spikes.decide(self.settings, state.norms, state.losses, observed)
+        decision = _spikes.decide(self.settings, state.history, observed)
         if decision.bound is not None:
             bound = _inputs.clip_bound(decision.bound)
             _norm.scale_(reduced.local, reduced.stacking.groups, total, bound, foreach)
-        self._state = replace(state, steps=observed.step)
+        self._state = replace(state, steps=observed.step, with_loss=observed.with_loss)
         self._pending = self._last = decision
         return total
 
@@ -230,13 +231,13 @@ class SpikePolicy:
         bound = decision.bound if decision.bound is not None else float("inf")
         figures = {
             "norm": observed.norm,
-            "norm_z": decision.norm_z,
-            "skip_limit": decision.skip_limit,
+            "norm_z": decision.z[0],
+            "skip_limit": decision.skip_limit(self.settings),
             "clip_bound": torch.as_tensor(bound, dtype=torch.float32, device=observed.norm.device),
             "spike": decision.spike.float(),
         }
-        if observed.loss is not None and decision.loss_z is not None:
-            figures.update(loss=observed.loss, loss_z=decision.loss_z)
+        if observed.with_loss:
+            figures.update(loss=observed.values[1], loss_z=decision.z[1])
         return figures
 
     @property
@@ -348,7 +349,13 @@ def _ceiling(max_norm: object) -> float | None:
     return bound
 
 
-def _check_loss(loss: object) -> None:
+def _check_loss(loss: object, state: _spikes.SpikeState | None) -> None:
+    given = state.with_loss if state is not None else None
+    if given is not None and given != (loss is not None):
+        raise ValueError(
+            f"loss was {'given' if given else 'not given'} to this SpikePolicy's earlier steps "
+            f"and is {'not ' if given else ''}given now: give it on every step or on none"
+        )
     if loss is None:
         return
     if isinstance(loss, Tensor):
@@ -360,10 +367,12 @@ def _check_loss(loss: object) -> None:
         raise TypeError(f"loss must be a tensor of one element or a number, got {loss!r}")
 
 
-def _world_loss(loss: Tensor | float | None, device: torch.device) -> Tensor | None:
-    """``loss`` averaged over the world, a float32 scalar on ``device`` (one all_reduce)."""
+def _observed_values(total: Tensor, loss: Tensor | float | None) -> Tensor:
+    """The norm and ``loss`` averaged over the world (0 without one): a float32 pair on the
+    norm's device, the loss averaged in one all_reduce."""
+    norm = total.float()
     if loss is None:
-        return None
-    value = torch.as_tensor(loss).detach().reshape(()).to(device, torch.float32, copy=True)
+        return torch.stack([norm, torch.zeros_like(norm)])
+    value = torch.as_tensor(loss).detach().reshape(()).to(total.device, torch.float32, copy=True)
     _averaging.average_tensor(value, None)
-    return value
+    return torch.stack([norm, value])

@@ -26,16 +26,11 @@ def report_spike(settings: SpikeSettings, decision: Decision) -> None:
     if is_distributed() and dist.get_rank() != 0:
         return
     observed = decision.observed
-    tensors = [observed.norm, decision.norm_z, decision.skip_limit]
-    if observed.loss is not None and decision.loss_z is not None:
-        tensors += [observed.loss, decision.loss_z]
-    values = torch.stack([t.float().to(observed.norm.device) for t in tensors]).tolist()
-    norm, norm_z, limit = values[:3]
+    limit = decision.skip_limit(settings).reshape(1)
+    norm, loss, norm_z, loss_z, limit = torch.cat([observed.values, decision.z, limit]).tolist()
     parts = [f"gradient norm {norm:.6g} (z-score {norm_z:.3g}, skipped above {limit:.6g})"]
-    if len(values) > 3:
-        parts.append(
-            f"loss {values[3]:.6g} (z-score {values[4]:.3g}, limit {settings.skip_sigma:g})"
-        )
+    if observed.with_loss:
+        parts.append(f"loss {loss:.6g} (z-score {loss_z:.3g}, limit {settings.skip_sigma:g})")
     if observed.groups:
         largest = sorted(observed.groups.items(), key=lambda item: -item[1])[:_LARGEST_GROUPS]
         parts.append("largest groups: " + ", ".join(f"{k} {v:.6g}" for k, v in largest))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -12,41 +12,46 @@ from credit.parallel._spikes import history as _history
 from credit.parallel._spikes.decision import Decision
 from credit.parallel._spikes.settings import SpikeSettings
 
-# Places in ``SpikeState.counts``: steps skipped for a NaN or inf, steps skipped as spikes, spikes
-# in a row until now, and restarts of the histories.
-NON_FINITE, SPIKE, IN_A_ROW, RESTARTS = range(4)
+# Places in ``SpikeState.counts``: steps skipped for a NaN or inf, steps skipped as spikes, and
+# restarts of the history.
+NON_FINITE, SPIKE, RESTARTS = range(3)
 _FIELDS = ("values", "count", "mean", "var")  # of a saved ValueHistory
 
 
 @dataclass(frozen=True)
 class SpikeState:
-    """A policy's histories and counts, the same on every rank.
+    """A policy's history and counts, the same on every rank.
 
     Attributes:
-        norms: the history of the gradient norm.
-        losses: the history of the loss, or None until a step gives one.
-        counts: steps skipped for a NaN or inf, steps skipped as spikes, spikes in a row until
-            now, and restarts of the histories: four int64 counts on the device.
+        history: the history of the gradient norm and of the loss (0 where the steps give none).
+        counts: steps skipped for a NaN or inf, steps skipped as spikes, restarts of the history:
+            three int64 counts on the device.
+        in_a_row: spikes in a row until now, an int64 scalar on the device.
         steps: how many steps the policy has seen (``clip_grad_norm_`` calls).
+        with_loss: whether its steps give a loss; None before the first.
     """
 
-    norms: _history.ValueHistory
-    losses: _history.ValueHistory | None
+    history: _history.ValueHistory
     counts: Tensor
+    in_a_row: Tensor
     steps: int
+    with_loss: bool | None
 
     def on(self, device: torch.device) -> SpikeState:
         """The same state on ``device`` (no copy where it is already there)."""
         if self.counts.device == device:
             return self
-        losses = None if self.losses is None else self.losses.to(device)
-        return SpikeState(self.norms.to(device), losses, self.counts.to(device), self.steps)
+        history = self.history.to(device)
+        return replace(
+            self, history=history, counts=self.counts.to(device), in_a_row=self.in_a_row.to(device)
+        )
 
 
 def initial(settings: SpikeSettings, device: torch.device) -> SpikeState:
     """The state of a policy that has seen nothing."""
-    counts = torch.zeros(4, dtype=torch.int64, device=device)
-    return SpikeState(_history.empty(settings, device), None, counts, 0)
+    counts = torch.zeros(3, dtype=torch.int64, device=device)
+    in_a_row = torch.zeros((), dtype=torch.int64, device=device)
+    return SpikeState(_history.empty(settings, 2, device), counts, in_a_row, 0, None)
 
 
 def settled(
@@ -54,48 +59,36 @@ def settled(
 ) -> SpikeState:
     """``state`` after the step of ``decision``, which the world's ``non_finite`` answer (1.0 when
     a gradient held a NaN or inf; None without a scaler) skipped or not. Only a taken step enters
-    the histories; ``restart_after`` spikes in a row start them over (the norm found a new
-    level)."""
-    observed = decision.observed
-    bad = ~torch.isfinite(observed.norm)
-    if observed.loss is not None:
-        bad = bad | ~torch.isfinite(observed.loss)
+    the history; ``restart_after`` spikes in a row start it over (the norm found a new level)."""
+    bad = ~decision.finite
+    spike = decision.spike
     if non_finite is not None:
-        bad = bad | (non_finite.to(bad.device) > 0)
-    spike = decision.spike & ~bad
-    take = ~bad & ~spike
-    in_a_row = torch.where(spike, state.counts[IN_A_ROW] + 1, state.counts[IN_A_ROW] * bad)
-    restart = in_a_row >= (settings.restart_after or torch.iinfo(torch.int64).max)
-    counts = state.counts + torch.stack([bad, spike, spike, restart]).to(torch.int64)
-    counts[IN_A_ROW] = torch.where(restart, 0, in_a_row)
-    norms = _history.entered(settings, state.norms, decision.entering, take)
-    losses = state.losses
-    if observed.loss is not None:
-        losses = _history.empty(settings, bad.device) if losses is None else losses
-        losses = _history.entered(settings, losses, observed.loss, take)
-    return SpikeState(
-        _history.restarted(norms, restart),
-        None if losses is None else _history.restarted(losses, restart),
-        counts,
-        state.steps,
-    )
+        answered = non_finite.to(bad.device) > 0
+        bad, spike = bad | answered, spike & ~answered
+    take = ~(bad | spike)
+    history = _history.entered(settings, state.history, decision.entering, take)
+    in_a_row = (state.in_a_row + 1) * spike + state.in_a_row * bad  # a taken step ends the run
+    restart = torch.zeros_like(spike)
+    if settings.restart_after is not None:
+        restart = in_a_row >= settings.restart_after
+        in_a_row = in_a_row * ~restart
+        history = _history.restarted(history, restart)
+    counts = state.counts + torch.stack([bad, spike, restart])
+    return replace(state, history=history, counts=counts, in_a_row=in_a_row)
 
 
 def state_dict(settings: SpikeSettings, state: SpikeState) -> dict[str, Any]:
-    """``state`` as plain values and CPU tensors (copies), with the settings it only fits. Every
-    entry is there whatever the state holds, so that ``torch.distributed.checkpoint``, which
-    loads into the entries of a fresh policy's state dict, finds them all (``losses`` is an empty
-    history, with ``has_losses`` 0, until a loss is given)."""
-    losses = state.losses
-    if losses is None:
-        losses = _history.empty(settings, state.counts.device)
+    """``state`` as plain values and CPU tensors (copies), with the settings it only fits."""
     return {
         **settings.fingerprint(),
+        "with_loss": -1 if state.with_loss is None else int(state.with_loss),
         "steps": state.steps,
         "counts": state.counts.to("cpu", copy=True),
-        "norms": _saved(state.norms),
-        "losses": _saved(losses),
-        "has_losses": int(state.losses is not None),
+        "in_a_row": state.in_a_row.to("cpu", copy=True),
+        "statistics": {
+            name: tensor.to("cpu", copy=True)
+            for name, tensor in zip(_FIELDS, state.history.tensors(), strict=True)
+        },
     }
 
 
@@ -114,22 +107,14 @@ def loaded(settings: SpikeSettings, saved: dict[str, Any]) -> SpikeState:
             f"{fingerprint}: build the policy with the saved settings"
         )
     try:
+        statistics = saved["statistics"]
+        with_loss = int(saved["with_loss"])
         return SpikeState(
-            _restored(saved["norms"]),
-            _restored(saved["losses"]) if saved["has_losses"] else None,
+            _history.ValueHistory(*(torch.as_tensor(statistics[n]).clone() for n in _FIELDS)),
             torch.as_tensor(saved["counts"], dtype=torch.int64).clone(),
+            torch.as_tensor(saved["in_a_row"], dtype=torch.int64).clone(),
             int(saved["steps"]),
+            None if with_loss < 0 else bool(with_loss),
         )
     except KeyError as missing:
         raise ValueError(f"the SpikePolicy state has no entry {missing}") from None
-
-
-def _saved(history: _history.ValueHistory) -> dict[str, Tensor]:
-    return {
-        name: tensor.to("cpu", copy=True)
-        for name, tensor in zip(_FIELDS, history.tensors(), strict=True)
-    }
-
-
-def _restored(saved: dict[str, Tensor]) -> _history.ValueHistory:
-    return _history.ValueHistory(*(torch.as_tensor(saved[name]).clone() for name in _FIELDS))
