@@ -271,6 +271,8 @@ def test_bad_calls_raise_before_any_gradient_is_modified():
     run.policy.clip_grad_norm_([run.param])
     with pytest.raises(RuntimeError, match="call it after update"):
         run.policy.state_dict()
+    run.scaler.step(run.optimizer)  # type: ignore[union-attr]
+    run.scaler.update()  # type: ignore[union-attr]  (its flags stop listening to the norms)
     with pytest.raises(ValueError, match=r"enabled=False\) steps every optimizer"):
         GradScaler("cpu", enabled=False, spikes=SpikePolicy())
     with pytest.raises(ValueError, match="already held by another GradScaler"):

@@ -9,7 +9,6 @@ Every function works without ``torch.distributed`` initialised, as on a world of
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 
 import torch
@@ -356,13 +355,9 @@ def clip_grad_norm_(
             a tensor ``max_norm`` has more than one element.
         RuntimeError: as :func:`total_grad_norm`, or ``max_norm`` is on the meta device.
     """
-    params, names = _inputs.parameter_list(parameters)
     bound = _inputs.clip_bound(max_norm)
-    grads = [grad for p in params if (grad := p.grad) is not None]
-    if params and not grads:
-        _inputs.warn_no_grads(params, "clip_grad_norm_")
-    request = _norm.norm_request(
-        grads,
+    request = _norm.parameters_request(
+        parameters,
         "clip_grad_norm_",
         norm_type,
         error_if_nonfinite,
@@ -372,7 +367,6 @@ def clip_grad_norm_(
         dtype,
         check,
         per_rank,
-        label=functools.partial(_inputs.parameter_label, params, names),
     )
     reduced = _norm.reduce(request)
     _norm.scale_(reduced.local, reduced.stacking.groups, reduced.total, bound, foreach)

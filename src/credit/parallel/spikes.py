@@ -19,7 +19,6 @@ to take or skip the step to the :class:`~credit.parallel.amp.GradScaler` it was 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -56,9 +55,9 @@ class SpikePolicy:
     fused optimizer on the device, as the scaler's non-finite skip does. A step skipped as a spike
     or for a NaN or inf, and a step during which a value is not finite, enters no history; the
     first ``warmup`` values decide nothing. A norm (or loss) that stays out for ``restart_after``
-    steps in a row has found a new level, not a spike: the histories then start over, with a new
-    warm-up, rather than skip every step from then on. A spike is not an overflow: the fp16 loss scale stays
-    as it is (its growth interval counts the step, whose gradients were finite).
+    spikes in a row has found a new level, not a spike: the history then starts over, with a new
+    warm-up, rather than skip every step from then on. A spike is not an overflow: the fp16 loss
+    scale stays as it is (its growth interval counts the step, whose gradients were finite).
 
     Defaults and their sources: ``skip_sigma=6`` and ``window=128`` (OLMo-core's skipped steps),
     ``alpha=0.97``, ``clip_z=2.5`` and a warm-up of 25 steps for the moving average (ZClip, Kumar
@@ -185,12 +184,8 @@ class SpikePolicy:
         ceiling = _ceiling(max_norm)
         _check_loss(loss, self._state)
         self._begin_step()
-        params, names = _inputs.parameter_list(parameters)
-        grads = [grad for p in params if (grad := p.grad) is not None]
-        if params and not grads:
-            _inputs.warn_no_grads(params, "SpikePolicy.clip_grad_norm_")
-        request = _norm.norm_request(
-            grads,
+        request = _norm.parameters_request(
+            parameters,
             "SpikePolicy.clip_grad_norm_",
             norm_type,
             error_if_nonfinite,
@@ -200,7 +195,6 @@ class SpikePolicy:
             dtype,
             check,
             False,
-            label=functools.partial(_inputs.parameter_label, params, names),
         )
         reduced = _norm.reduce(request)
         total = reduced.total

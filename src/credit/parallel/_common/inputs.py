@@ -25,6 +25,8 @@ from credit.parallel._common.groups import (
 )
 
 TensorOrTensors = Tensor | Iterable[Tensor]
+# What a clip takes: tensors, a module, or (name, parameter) pairs.
+Parameters = TensorOrTensors | nn.Module | Iterable[tuple[str, Tensor]]
 DistinctAlong = Iterable[tuple[TensorOrTensors, GroupLike]]
 
 
@@ -55,7 +57,7 @@ def module_parameters(model_or_params: nn.Module | TensorOrTensors) -> list[Tens
 
 
 def parameter_list(
-    parameters: TensorOrTensors | nn.Module | Iterable[tuple[str, Tensor]],
+    parameters: Parameters,
     *,
     warn_if_empty_generator: bool = True,
 ) -> tuple[list[Tensor], list[str] | None]:

@@ -6,7 +6,12 @@ integrations import the names below, never the steps' modules.
 
 from credit.parallel._norm.clip import scale_
 from credit.parallel._norm.hooks import Normed, attach, detach
-from credit.parallel._norm.request import NormRequest, checked_norm_type, norm_request
+from credit.parallel._norm.request import (
+    NormRequest,
+    checked_norm_type,
+    norm_request,
+    parameters_request,
+)
 from credit.parallel._norm.results import Reduced
 from credit.parallel._norm.stacking import stacking_of
 from credit.parallel._norm.steps import reduce
@@ -20,6 +25,7 @@ __all__ = [
     "checked_norm_type",
     "detach",
     "norm_request",
+    "parameters_request",
     "raise_if_copies_differ",
     "reduce",
     "scale_",

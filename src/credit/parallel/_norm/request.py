@@ -28,8 +28,12 @@ from credit.parallel._common.groups import (
 )
 from credit.parallel._common.inputs import (
     DistinctAlong,
+    Parameters,
     distinct_groups,
     grads_refusal,
+    parameter_label,
+    parameter_list,
+    warn_no_grads,
 )
 from credit.parallel._common.layout_check import check_enabled, refuse_on_every_rank
 
@@ -178,6 +182,45 @@ def norm_request(
         error_if_nonfinite=error_if_nonfinite,
         what=what,
         label=label if label is not None else functools.partial(_argument_label, argument),
+    )
+
+
+def parameters_request(
+    parameters: Parameters,
+    what: str,
+    norm_type: float | str,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+    pp_group: GroupLike,
+    distinct_along: DistinctAlong | None,
+    dtype: torch.dtype | None,
+    check: bool | None,
+    per_rank: bool,
+) -> NormRequest:
+    """The request of a clip: the gradients of ``parameters`` (tensors, a module, or
+    ``(name, parameter)`` pairs), named after their parameters in messages. Warns when
+    parameters were given and none has a gradient (see ``warn_no_grads``).
+
+    Raises:
+        TypeError, ValueError: as :func:`norm_request`, or ``parameters`` is not one of these.
+    """
+    params, names = parameter_list(parameters)
+    grads = [grad for p in params if (grad := p.grad) is not None]
+    if params and not grads:
+        warn_no_grads(params, what)
+    label = functools.partial(parameter_label, params, names)
+    return norm_request(
+        grads,
+        what,
+        norm_type,
+        error_if_nonfinite,
+        foreach,
+        pp_group,
+        distinct_along,
+        dtype,
+        check,
+        per_rank,
+        label=label,
     )
 
 
