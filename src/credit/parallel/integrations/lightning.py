@@ -323,7 +323,6 @@ def _precision_plugin(module: object) -> object | None:
 def _holds(scaler: object, policy: SpikePolicy) -> bool:
     """Whether ``scaler`` is an enabled ``GradScaler`` of this package that holds ``policy``."""
     is_enabled = getattr(scaler, "is_enabled", None)
-    # A policy is held by one scaler, which it knows (SpikePolicy._held_by).
     return scaler is not None and policy.scaler is scaler and callable(is_enabled) and is_enabled()
 
 
