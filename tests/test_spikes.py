@@ -321,6 +321,7 @@ def test_a_new_level_restarts_the_histories_instead_of_skipping_every_step(resta
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")  # torch 2.10's checkpoint
 def test_a_distributed_checkpoint_resumes_the_histories_a_fresh_policy_lacks(tmp_path):
     arguments = dict(adaptive_clip="zscore")
     straight, first = _Run(SpikePolicy(**arguments)), _Run(SpikePolicy(**arguments))
