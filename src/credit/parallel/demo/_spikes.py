@@ -3,21 +3,20 @@ of that policy, and what the step would do to the weights without it.
 
 The parallel run's :class:`~credit.parallel.spikes.SpikePolicy` decides on this package's norm,
 the same bits on every rank; the replica, in one process, decides on torch's norm by
-:class:`SpikeMirror`, the same rule written out in plain numbers, so that the two decisions are
-reached apart and compared.
+:class:`SpikeMirror`, the same steps on its own norms, so that the two decisions are reached
+apart and compared.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
-from credit.parallel._spikes import SpikeSettings
+from credit.parallel import _spikes
 from credit.parallel.demo._cli import SPIKE_FACTOR, SPIKE_WARMUP
 from credit.parallel.spikes import SpikePolicy
 
@@ -59,45 +58,31 @@ class SpikeSeen:
     previous: tuple[int, float] | None
 
 
-@dataclass
 class SpikeMirror:
-    """The policy's skip rule on one process's norms, in Python floats.
-
-    An exponential moving average of the norm's mean and variance (ZClip's), started from the
-    mean and population variance of the first ``warmup`` taken norms; a step after the warm-up
-    whose finite norm lies more than ``skip_sigma`` standard deviations (plus ``eps``) above the
-    mean is a spike. Only taken steps enter the history.
+    """The policy's rule on one process's norms: the package's own steps (``_spikes``), which
+    take no collective, on the replica's norms instead of the parallel run's.
 
     Args:
         settings: the parallel run's policy's settings (``SpikePolicy.settings``).
     """
 
-    settings: SpikeSettings
-    warming: list[float] = field(default_factory=list)
-    mean: float = 0.0
-    var: float = 0.0
+    def __init__(self, settings: _spikes.SpikeSettings) -> None:
+        self.settings = settings
+        self._state = _spikes.initial(settings, torch.device("cpu"))
 
-    def zscore(self, norm: float) -> float | None:
-        """How many standard deviations ``norm`` lies above the mean; None during the warm-up."""
-        if len(self.warming) < self.settings.warmup:
-            return None
-        return (norm - self.mean) / (math.sqrt(self.var) + self.settings.eps)
+    def decide(self, norm: Tensor) -> _spikes.Decision:
+        """The decision on a step of norm ``norm``, from the steps taken before it."""
+        value = norm.detach().float().cpu()
+        observed = _spikes.Observed(
+            torch.stack([value, torch.zeros_like(value)]), False, None, None, self._state.steps + 1
+        )
+        return _spikes.decide(self.settings, self._state.history, observed)
 
-    def is_spike(self, norm: float) -> bool:
-        z = self.zscore(norm)
-        return math.isfinite(norm) and z is not None and z > self.settings.skip_sigma
-
-    def take(self, norm: float) -> None:
-        """Enter the norm of a step that was taken."""
-        if len(self.warming) < self.settings.warmup:
-            self.warming.append(norm)
-            if len(self.warming) == self.settings.warmup:
-                self.mean = sum(self.warming) / len(self.warming)
-                self.var = sum((v - self.mean) ** 2 for v in self.warming) / len(self.warming)
-            return
-        alpha = self.settings.alpha
-        self.mean = alpha * self.mean + (1 - alpha) * norm
-        self.var = alpha * self.var + (1 - alpha) * (norm - self.mean) ** 2
+    def settle(self, decision: _spikes.Decision, non_finite: bool) -> None:
+        """Enter the step of ``decision`` if it was taken (``non_finite``: the scaler skipped it)."""
+        answer = torch.tensor(float(non_finite))
+        state = _spikes.settled(self.settings, self._state, decision, answer)
+        self._state = replace(state, steps=self._state.steps + 1)
 
 
 def weights(model: nn.Module) -> Tensor:

@@ -329,17 +329,18 @@ class _Replica:
         step would move the weights without the rule."""
         if self.mirror is None:
             return self.scaler.step(self.optimizer, norm), False
-        value = float(norm)
-        spike = self.mirror.is_spike(value)
+        decision = self.mirror.decide(norm)
+        spike = bool(decision.spike)
         if step == self.options.spike_step:
             build = functools.partial(_optimizer, options=self.options)
             move = _spikes.move_without_policy(self.model, self.optimizer, build)
-            z = self.mirror.zscore(value)
-            self.spike_seen = _spikes.SpikeSeen(value, z, spike, move, self.last_move)
+            z = float(decision.z[0])
+            seen_z = None if math.isnan(z) else z
+            self.spike_seen = _spikes.SpikeSeen(float(norm), seen_z, spike, move, self.last_move)
         before = _spikes.weights(self.model)
         skipped = self.scaler.step(self.optimizer, norm, spike)
+        self.mirror.settle(decision, non_finite=skipped and not spike)
         if not skipped:
-            self.mirror.take(value)
             self.last_move = (step, _spikes.relative_move(before, self.model))
         return skipped, spike
 
