@@ -228,7 +228,7 @@ class SpikePolicy:
             "norm_z": decision.z[0],
             "skip_limit": decision.skip_limit(self.settings),
             "clip_bound": torch.as_tensor(bound, dtype=torch.float32, device=observed.norm.device),
-            "spike": decision.spike.float(),
+            "spike": decision.skip,
         }
         if observed.with_loss:
             figures.update(loss=observed.values[1], loss_z=decision.z[1])
@@ -292,7 +292,7 @@ class SpikePolicy:
 
     def _skip_flag(self) -> Tensor | None:
         """1.0 when the undecided step is a spike, 0.0 when not; None without one."""
-        return None if self._pending is None else self._pending.spike.float()
+        return None if self._pending is None else self._pending.skip
 
     def _report_spike(self) -> None:
         if self._pending is not None:

@@ -56,6 +56,7 @@ class Decision:
         z: the z-scores of the norm (and the loss) against them (NaN during the warm-up).
         finite: whether the norm (and the loss) are finite (a bool scalar).
         spike: whether to skip the step: an outlier, with a finite norm and loss.
+        skip: ``spike`` as the float the scaler's answer takes (1.0 or 0.0), made once.
         bound: the ``max_norm`` the step's clip uses (inf: no clipping), or None when the policy
             clips nothing at all.
         entering: what the history takes in if the step is taken: the norm (ZClip's: the
@@ -67,6 +68,7 @@ class Decision:
     z: Tensor
     finite: Tensor
     spike: Tensor
+    skip: Tensor
     bound: Tensor | float | None
     entering: Tensor
 
@@ -95,7 +97,8 @@ def decide(settings: SpikeSettings, history: _history.ValueHistory, observed: Ob
     if settings.skip_above is not None:
         outlier = outlier | (observed.norm > settings.skip_above)
     bound, entering = _clip(settings, moments, z, observed)
-    return Decision(observed, moments, z, finite, finite & outlier, bound, entering)
+    spike = finite & outlier
+    return Decision(observed, moments, z, finite, spike, spike.float(), bound, entering)
 
 
 def _clip(
