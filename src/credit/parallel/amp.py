@@ -287,6 +287,19 @@ class GradScaler(torch.amp.GradScaler):
         (reads the device): step an LR scheduler only when it was not."""
         return self._skipped_steps.last_skipped
 
+    def spike_policy(self, optimizer: torch.optim.Optimizer | None = None) -> SpikePolicy | None:
+        """The :class:`~credit.parallel.spikes.SpikePolicy` this scaler holds: the one deciding
+        for ``optimizer``, or, without one, the policy deciding for every optimizer. None where
+        no policy decides (for ``optimizer``, or, given a mapping, without one).
+
+        A trainer that receives a scaler built elsewhere (a factory, a framework) reaches its
+        policy here: to call the policy's clip, read its metrics, or save its state beside the
+        scaler's.
+        """
+        policy = self._spikes.policy_of(optimizer)
+        assert policy is None or isinstance(policy, SpikePolicy)  # the constructor checked
+        return policy
+
     # --- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -156,7 +156,7 @@ class SpikePolicy:
 
         Args:
             parameters: as for :func:`~credit.parallel.collectives.clip_grad_norm_`.
-            max_norm: a fixed bound of the clip (a number), or None for none.
+            max_norm: a fixed bound of the clip (a number > 0), or None for none.
             norm_type, error_if_nonfinite, foreach, pp_group, distinct_along, dtype, check: as for
                 :func:`~credit.parallel.collectives.clip_grad_norm_`.
             loss: this rank's loss (a tensor of one element, or a number), averaged over the
@@ -340,6 +340,11 @@ def _ceiling(max_norm: object) -> float | None:
         raise TypeError("SpikePolicy's max_norm must be a number (or None), got a tensor")
     bound = _inputs.clip_bound(max_norm)
     assert isinstance(bound, float)
+    if bound == 0.0:
+        raise ValueError(
+            "SpikePolicy's max_norm=0 would zero every gradient: pass max_norm=None for no "
+            "fixed bound (a config's 0.0, as CREDIT's grad_max_norm, means no clipping)"
+        )
     return bound
 
 

@@ -77,6 +77,12 @@ class SpikePolicies:
             policy._settle(together)
         return flags
 
+    def policy_of(self, optimizer: torch.optim.Optimizer | None) -> Policy | None:
+        """The policy deciding for ``optimizer``, or for every optimizer when it is None."""
+        if optimizer is None:
+            return self._every
+        return self._policy(id(optimizer))
+
     def _policy(self, key: int) -> Policy | None:
         if self._every is not None:
             return self._every
