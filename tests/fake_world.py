@@ -171,6 +171,9 @@ def counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
             # The clip's all_reduce carries the GradScaler's answer: nothing else is issued
             # (the clip above verified the layout).
             "AMP step (unscale_, clip, step, update)": count(amp_step),
+            # A policy's first step: the loss's all_reduce, sent whether any rank gives a loss
+            # or not, tells every rank whether one does.
+            "first AMP step with a SpikePolicy": count(spike_step),
             "AMP step with a SpikePolicy": count(spike_step),
             "AMP step with a SpikePolicy given the loss": count(spike_step_with_loss),
             # Under pp_group: the norm, then the verification, and once per pp group the

@@ -76,6 +76,11 @@ def test_one_collective_per_call_on_mixed_meshes_at_1024_ranks(counts, call, ran
 
 
 @pytest.mark.parametrize("rank", ["first", "last"])
+def test_a_spike_policys_first_step_asks_the_world_for_a_loss_at_1024_ranks(counts, rank):
+    assert counts[rank]["first AMP step with a SpikePolicy"] == 2
+
+
+@pytest.mark.parametrize("rank", ["first", "last"])
 def test_a_spike_policy_given_the_loss_adds_one_all_reduce_at_1024_ranks(counts, rank):
     # The loss's average over the world: it cannot ride in the norm's all_reduce without moving
     # the norm's bits (one more element moves gloo's chunking).

@@ -136,7 +136,7 @@ class GradScaler(torch.amp.GradScaler):
         self.scaling = scaling
         self._flags = _scaler.StepFlags()  # one per optimizer, from unscale_ to update()
         self._skipped_steps = _scaler.SkippedSteps(model)
-        self._spikes = _scaler.SpikePolicies(spikes, self)
+        self._spikes = _scaler.SpikePolicies(spikes, self, scaling)
 
     # --- scaling off ---------------------------------------------------------------------------
 
@@ -178,6 +178,7 @@ class GradScaler(torch.amp.GradScaler):
         self._flags.expect(id(optimizer), grads, scale.device, local)
         state["found_inf_per_device"] = {scale.device: torch.zeros_like(scale)}
         state["stage"] = OptState.UNSCALED
+        self._spikes.unscaled(id(optimizer))
 
     # --- the world's answer --------------------------------------------------------------------
 
@@ -253,13 +254,9 @@ class GradScaler(torch.amp.GradScaler):
         non_finite = {key: self._decide(key) for key in self._flags.optimizers()}
         spikes = self._spikes.settle(non_finite)
         self._flags.clear()
-        found = [
-            answer
-            for state in self._per_optimizer_states.values()
-            for answer in state["found_inf_per_device"].values()
-        ]
-        if found:
-            self._skipped_steps.count(found + spikes)
+        answers = _answers(self._per_optimizer_states, spikes)
+        if answers:
+            self._skipped_steps.count(answers)
         elif new_scale is None:
             raise AssertionError("No inf checks were recorded prior to update.")
         if self.scaling:
@@ -284,8 +281,21 @@ class GradScaler(torch.amp.GradScaler):
     @property
     def last_step_skipped(self) -> bool:
         """Whether the step before the last :meth:`update` was skipped, the same on every rank
-        (reads the device): step an LR scheduler only when it was not."""
+        (reads the device): step an LR scheduler only when it was not. With several optimizers,
+        whether any of them skipped it: ask :meth:`step_skipped` of each.
+        """
         return self._skipped_steps.last_skipped
+
+    def step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s step before the last :meth:`update` was skipped (a NaN or
+        inf, or a spike of its policy), the same on every rank (reads the device): with several
+        optimizers, each one's scheduler steps on its own answer.
+
+        Raises:
+            ValueError: ``optimizer`` was not unscaled or stepped through this scaler in that
+                step.
+        """
+        return self._skipped_steps.skipped(id(optimizer))
 
     def spike_policy(self, optimizer: torch.optim.Optimizer | None = None) -> SpikePolicy | None:
         """The :class:`~credit.parallel.spikes.SpikePolicy` this scaler holds: the one deciding
@@ -350,6 +360,21 @@ def _checked_device(device: str, scaling: bool, enabled: bool) -> str:
             stacklevel=3,
         )
     return "cpu"
+
+
+def _answers(states: dict[int, dict[str, Any]], spikes: dict[int, Tensor]) -> dict[int, Tensor]:
+    """Each optimizer's answer of the step (1.0: skipped), from the answers torch's states hold
+    and the spike flags of the policies."""
+    answers = {}
+    for key, state in states.items():
+        found = list(state["found_inf_per_device"].values())
+        if found:
+            device = found[0].device
+            answers[key] = torch.stack([answer.to(device) for answer in found]).amax()
+    for key, flag in spikes.items():
+        answer = answers.get(key)
+        answers[key] = flag if answer is None else torch.maximum(answer, flag.to(answer.device))
+    return answers
 
 
 def _grads_device(optimizer: torch.optim.Optimizer) -> torch.device:

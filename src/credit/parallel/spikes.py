@@ -19,6 +19,7 @@ to take or skip the step to the :class:`~credit.parallel.amp.GradScaler` it was 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -26,9 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from credit.parallel import _averaging, _norm, _spikes
+from credit.parallel import _norm, _spikes
 from credit.parallel._common import inputs as _inputs
-from credit.parallel._common.groups import GroupLike
+from credit.parallel._common.groups import GroupLike, collective_device
 from credit.parallel._common.inputs import DistinctAlong, TensorOrTensors
 
 __all__ = ["SpikePolicy"]
@@ -50,9 +51,10 @@ class SpikePolicy:
       "adaptive_scaling") or to the mean, under the fixed ``max_norm`` of the call if one is given.
 
     Every statistic is a function of values that are the same bits on every rank (this package's
-    norm, the loss averaged over the world), so every rank takes the same decision without a
-    collective of its own, and on a GPU nothing is read back to the host: the decision reaches a
-    fused optimizer on the device, as the scaler's non-finite skip does. A step skipped as a spike
+    norm, the loss averaged over the ranks that give one), so every rank takes the same decision
+    without a collective of its own, and on a GPU nothing is read back to the host after the
+    first step: the decision reaches a fused optimizer on the device, as the scaler's non-finite
+    skip does. A step skipped as a spike
     or for a NaN or inf, and a step during which a value is not finite, enters no history; the
     first ``warmup`` values decide nothing. A norm (or loss) that stays out for ``restart_after``
     spikes in a row has found a new level, not a spike: the history then starts over, with a new
@@ -115,6 +117,8 @@ class SpikePolicy:
         self._pending: _spikes.Decision | None = None
         self._last: _spikes.Decision | None = None
         self._scaler: object | None = None
+        self._unscale_first = False  # the scaler scales: its clip waits for unscale_
+        self._gradients_unscaled = False
 
     @property
     def scaler(self) -> object | None:
@@ -149,25 +153,31 @@ class SpikePolicy:
 
         The norm is :func:`~credit.parallel.collectives.clip_grad_norm_`'s, in its one
         collective (which also answers the scaler's non-finite check); a ``loss`` adds one small
-        all_reduce (its average over the world: riding on the norm's collective would move the
-        norm's bits). The gradients are then scaled by ``min(bound / (norm + 1e-6), 1)``, where
-        the bound is ``max_norm``, the adaptive threshold, or the lower of the two; with neither,
-        nothing is clipped. Nothing is read back to the host.
+        all_reduce before it (its average over the ranks that give one: riding on the norm's
+        collective would move the norm's bits), which every rank sends at the policy's first
+        step, loss or not, and reads on the host. The gradients are then scaled by
+        ``min(bound / (norm + 1e-6), 1)``, where the bound is ``max_norm``, the adaptive
+        threshold, or the lower of the two; with neither, nothing is clipped. After the first
+        step nothing is read back to the host (on the CPU, the loss's all_reduce is read: it
+        costs no sync there).
 
         Args:
             parameters: as for :func:`~credit.parallel.collectives.clip_grad_norm_`.
             max_norm: a fixed bound of the clip (a number > 0), or None for none.
             norm_type, error_if_nonfinite, foreach, pp_group, distinct_along, dtype, check: as for
                 :func:`~credit.parallel.collectives.clip_grad_norm_`.
-            loss: this rank's loss (a tensor of one element, or a number), averaged over the
-                world and tested as the norm is; give it on every rank and every step, or never
-                (under pipeline stages, 0 where a stage has none: a z-score does not change
-                with the scale).
+            loss: this rank's loss (a tensor of one element, or a number), or None where the rank
+                has none (pipeline stages before the last): the losses given are averaged over
+                the ranks that gave them, and tested as the norm is. Whether the steps give a
+                loss is decided by the world at the policy's first step: a loss first given later
+                is ignored, with a warning. A NaN or inf loss skips the step (counted in
+                ``skipped_non_finite``).
             groups: the step's :func:`~credit.parallel.norm_report.grad_norm_report`, whose
                 largest groups the report of a skipped spike names.
 
-        Call it once per optimizer step: a second call before the scaler's ``update()`` decides
-        again and replaces the first decision (a step the trainer dropped enters nothing).
+        Call it once per optimizer step, after ``scaler.unscale_`` (with fp16's scaling, a call
+        before it raises): a second call before the scaler's ``update()`` raises, and the
+        step's first decision stands.
 
         Returns:
             The total norm of the gradients before clipping, as the clip returns it.
@@ -175,14 +185,17 @@ class SpikePolicy:
         Raises:
             TypeError, ValueError, RuntimeError: as
                 :func:`~credit.parallel.collectives.clip_grad_norm_`; ``max_norm`` is not a
-                number or ``loss`` not a number or a tensor of one element (ValueError or
-                TypeError), or ``loss`` is given now and was not on earlier steps, or the
-                reverse (ValueError); the policy skips steps and no ``GradScaler`` holds it
-                (RuntimeError). Each is raised before any collective, with no gradient
-                modified.
+                number, or 0 (TypeError, ValueError); ``groups`` is not a mapping of names to
+                numbers (TypeError); the policy skips steps and no ``GradScaler`` holds it, its
+                scaler scales and has not unscaled the gradients, or the step was clipped
+                already (RuntimeError). Each is raised before any collective. And alike on every
+                rank, where the loss's all_reduce is read (the first step, or on the CPU): a
+                rank's ``loss`` is not one real number (ValueError, TypeError, naming the
+                ranks), or no rank gives a loss after a first step that had one (ValueError).
+                No gradient is modified.
         """
         ceiling = _ceiling(max_norm)
-        _check_loss(loss, self._state)
+        _check_groups(groups)
         self._begin_step()
         request = _norm.parameters_request(
             parameters,
@@ -196,17 +209,20 @@ class SpikePolicy:
             check,
             False,
         )
+        device = collective_device(request.local)
+        state = self._state_on(device)
+        world_loss = _spikes.world_loss(loss, state.with_loss, device)
         reduced = _norm.reduce(request)
         total = reduced.total
-        state = self._state_on(total.device)
+        state = state.on(total.device)
         observed = _spikes.Observed(
-            _observed_values(total, loss), loss is not None, ceiling, groups, state.steps + 1
+            _observed_values(total, world_loss), world_loss.read, ceiling, groups, state.steps + 1
         )
         decision = _spikes.decide(self.settings, state.history, observed)
         if decision.bound is not None:
             bound = _inputs.clip_bound(decision.bound)
             _norm.scale_(reduced.local, reduced.stacking.groups, total, bound, foreach)
-        self._state = replace(state, steps=observed.step, with_loss=observed.with_loss)
+        self._state = replace(state, steps=observed.step, with_loss=world_loss.read)
         self._pending = self._last = decision
         return total
 
@@ -228,7 +244,7 @@ class SpikePolicy:
             "norm_z": decision.z[0],
             "skip_limit": decision.skip_limit(self.settings),
             "clip_bound": torch.as_tensor(bound, dtype=torch.float32, device=observed.norm.device),
-            "spike": decision.skip,
+            "spike": decision.spike.float(),
         }
         if observed.with_loss:
             figures.update(loss=observed.values[1], loss_z=decision.z[1])
@@ -285,13 +301,19 @@ class SpikePolicy:
 
     # --- the GradScaler's side -------------------------------------------------------------
 
-    def _held_by(self, scaler: object) -> None:
+    def _held_by(self, scaler: object, unscale_first: bool) -> None:
         if self._scaler is not None and self._scaler is not scaler:
             raise ValueError("this SpikePolicy is already held by another GradScaler")
         self._scaler = scaler
+        self._unscale_first = unscale_first
+
+    def _unscaled(self) -> None:
+        """The scaler unscaled the gradients of this step (all of this policy's optimizers)."""
+        self._gradients_unscaled = True
 
     def _skip_flag(self) -> Tensor | None:
-        """1.0 when the undecided step is a spike, 0.0 when not; None without one."""
+        """1.0 when the undecided step is skipped (a spike, or a norm or loss that is not
+        finite), 0.0 when not; None without one."""
         return None if self._pending is None else self._pending.skip
 
     def _report_spike(self) -> None:
@@ -300,6 +322,7 @@ class SpikePolicy:
 
     def _settle(self, non_finite: Tensor | None) -> None:
         """Enter the undecided step, which the world's ``non_finite`` answer skipped or not."""
+        self._gradients_unscaled = False
         if self._pending is None or self._state is None:
             return
         self._state = _spikes.settled(self.settings, self._state, self._pending, non_finite)
@@ -308,15 +331,33 @@ class SpikePolicy:
     # --- helpers ---------------------------------------------------------------------------
 
     def _begin_step(self) -> None:
-        if self._scaler is None and self.skips:
+        """Refuse a call the step's sequence does not allow, before any collective. Without a
+        scaler, each call is a step, and settles the one before it."""
+        if self._scaler is None:
+            if self.skips:
+                raise RuntimeError(
+                    "a SpikePolicy that skips steps decides for a GradScaler: build it with "
+                    "GradScaler(..., spikes=policy) (scaling=False for bf16 or float32), or "
+                    "pass skip=False and no skip_above for an adaptive clip alone"
+                )
+            self._settle(None)
+            return
+        if self._pending is not None:
             raise RuntimeError(
-                "a SpikePolicy that skips steps decides for a GradScaler: build it with "
-                "GradScaler(..., spikes=policy) (scaling=False for bf16 or float32), or pass "
-                "skip=False and no skip_above for an adaptive clip alone"
+                "SpikePolicy.clip_grad_norm_ was called twice in one step (since the "
+                "GradScaler's last update()): the policy decides once a step, on the norm of "
+                "every gradient the step updates. Clip all of them in one call, give each "
+                "optimizer clipped apart its own policy (GradScaler(spikes={optimizer: "
+                "policy})), and call scaler.update() after every step. No gradient was modified."
             )
-        # Under a scaler, a decision that no update() followed belongs to a step the trainer
-        # dropped (a skipped batch): the next one replaces it, and it enters nothing.
-        self._settle_alone()
+        if self._unscale_first and not self._gradients_unscaled:
+            raise RuntimeError(
+                "SpikePolicy.clip_grad_norm_ came before scaler.unscale_(optimizer): the "
+                "gradients still carry the loss scale, so the policy would read (and keep in its "
+                "history) the norm multiplied by it. Call scaler.unscale_(optimizer) for every "
+                "optimizer whose gradients the clip covers, then the policy's clip. No gradient "
+                "was modified."
+            )
 
     def _settle_alone(self) -> None:
         """Without a scaler, a step is settled by the next (only a non-finite norm skips it)."""
@@ -348,30 +389,25 @@ def _ceiling(max_norm: object) -> float | None:
     return bound
 
 
-def _check_loss(loss: object, state: _spikes.SpikeState | None) -> None:
-    given = state.with_loss if state is not None else None
-    if given is not None and given != (loss is not None):
-        raise ValueError(
-            f"loss was {'given' if given else 'not given'} to this SpikePolicy's earlier steps "
-            f"and is {'not ' if given else ''}given now: give it on every step or on none"
-        )
-    if loss is None:
+def _check_groups(groups: object) -> None:
+    """``groups`` is None or a ``grad_norm_report``: names to numbers (the same on every rank,
+    so every rank raises alike, before any collective)."""
+    if groups is None:
         return
-    if isinstance(loss, Tensor):
-        if loss.numel() != 1:
-            raise ValueError(f"loss must hold one element, got shape {tuple(loss.shape)}")
-        if not (loss.is_floating_point() or loss.dtype in (torch.int32, torch.int64)):
-            raise TypeError(f"loss must be a real number, got a {loss.dtype} tensor")
-    elif isinstance(loss, bool) or not isinstance(loss, (int, float)):
-        raise TypeError(f"loss must be a tensor of one element or a number, got {loss!r}")
+    if isinstance(groups, Mapping) and all(
+        isinstance(name, str) and isinstance(norm, numbers.Real) and not isinstance(norm, bool)
+        for name, norm in groups.items()
+    ):
+        return
+    raise TypeError(
+        "groups must be the step's grad_norm_report, a mapping of group names to numbers, "
+        f"got {groups!r:.80}"
+    )
 
 
-def _observed_values(total: Tensor, loss: Tensor | float | None) -> Tensor:
-    """The norm and ``loss`` averaged over the world (0 without one): a float32 pair on the
-    norm's device, the loss averaged in one all_reduce."""
+def _observed_values(total: Tensor, loss: _spikes.WorldLoss) -> Tensor:
+    """The norm and the loss averaged over the world (0 without one): a float32 pair on the
+    norm's device."""
     norm = total.float()
-    if loss is None:
-        return torch.stack([norm, torch.zeros_like(norm)])
-    value = torch.as_tensor(loss).detach().reshape(()).to(total.device, torch.float32, copy=True)
-    _averaging.average_tensor(value, None)
+    value = torch.zeros_like(norm) if loss.value is None else loss.value.to(norm.device)
     return torch.stack([norm, value])

@@ -46,13 +46,16 @@ class SkippedSteps:
         self._before = 0  # steps skipped before the state was loaded
         self._since: Tensor | None = None  # steps skipped since, on the scale's device
         self._last: Tensor | None = None
+        self._last_by_optimizer: dict[int, Tensor] = {}
         self._reports = 0  # skipped steps seen by a non-fused optimizer's step
 
-    def count(self, answers: list[Tensor]) -> None:
-        """Count the step the world's ``answers`` (one per optimizer and device) decided: skipped
-        when any of them is 1.0. On the device, without a host read."""
-        skipped = torch.stack([answer.to(answers[0].device) for answer in answers]).amax() > 0
+    def count(self, answers: dict[int, Tensor]) -> None:
+        """Count the step the world's ``answers`` (one per optimizer, by its ``id``) decided:
+        skipped when any of them is 1.0. On the device, without a host read."""
+        values = list(answers.values())
+        skipped = torch.stack([answer.to(values[0].device) for answer in values]).amax() > 0
         self._last = skipped
+        self._last_by_optimizer = answers
         self._since = skipped.long() if self._since is None else self._since + skipped
 
     @property
@@ -65,6 +68,20 @@ class SkippedSteps:
     def last_skipped(self) -> bool:
         """Whether the last step counted was skipped (reads the device)."""
         return self._last is not None and bool(self._last.item())
+
+    def skipped(self, key: int) -> bool:
+        """Whether optimizer ``key`` skipped the last step counted (reads the device).
+
+        Raises:
+            ValueError: the optimizer had no answer in that step.
+        """
+        answer = self._last_by_optimizer.get(key)
+        if answer is None:
+            raise ValueError(
+                "this optimizer was not unscaled or stepped through the GradScaler in the step "
+                "before its last update()"
+            )
+        return bool(answer.item())
 
     def state_dict(self) -> dict[str, int]:
         """``skipped_steps`` and ``reported_skips`` (the skipped steps the report has seen)."""

@@ -17,7 +17,9 @@ from torch import Tensor
 class Policy(Protocol):
     """What the scaler asks of a spike policy."""
 
-    def _held_by(self, scaler: object) -> None: ...
+    def _held_by(self, scaler: object, unscale_first: bool) -> None: ...
+
+    def _unscaled(self) -> None: ...
 
     def _skip_flag(self) -> Tensor | None: ...
 
@@ -32,12 +34,14 @@ class SpikePolicies:
     Args:
         spikes: a policy, a mapping from optimizers to policies, or None.
         scaler: the scaler holding them (a policy is held by one scaler).
+        scaling: whether the scaler scales the loss: a policy's clip then waits for
+            ``unscale_``.
 
     Raises:
         TypeError: ``spikes`` is none of these.
     """
 
-    def __init__(self, spikes: object, scaler: object) -> None:
+    def __init__(self, spikes: object, scaler: object, scaling: bool) -> None:
         self._every: Policy | None = None
         self._by_optimizer: dict[int, tuple[torch.optim.Optimizer, Policy]] = {}
         if isinstance(spikes, Mapping):
@@ -49,8 +53,18 @@ class SpikePolicies:
         elif spikes is not None:
             _check(spikes, "spikes")
             self._every = spikes  # type: ignore[assignment]
+        self._unscaled: set[int] = set()  # optimizers unscaled since the last update
         for policy in self._policies():
-            policy._held_by(scaler)
+            policy._held_by(scaler, unscale_first=scaling)
+
+    def unscaled(self, key: int) -> None:
+        """Tell the policies that optimizer ``key``'s gradients are unscaled: a policy may clip
+        once all its optimizers are (any one, for the policy of every optimizer)."""
+        self._unscaled.add(key)
+        for policy in self._policies():
+            keys = self._keys_of(policy)
+            if keys is None or self._unscaled.issuperset(keys):
+                policy._unscaled()
 
     def flag(self, key: int) -> Tensor | None:
         """1.0 when the policy of optimizer ``key`` decided this step a spike; None without one."""
@@ -63,19 +77,27 @@ class SpikePolicies:
         if policy is not None:
             policy._report_spike()
 
-    def settle(self, non_finite: dict[int, Tensor]) -> list[Tensor]:
+    def settle(self, non_finite: dict[int, Tensor]) -> dict[int, Tensor]:
         """Hand each policy the world's non-finite answer of its optimizers, and return the spike
-        flags of the step (for the count of skipped steps)."""
-        flags = []
+        flag of each of those optimizers (for the count of skipped steps)."""
+        flags: dict[int, Tensor] = {}
         for policy in self._policies():
-            answers = [answer for key, answer in non_finite.items() if self._policy(key) is policy]
+            keys = [key for key in non_finite if self._policy(key) is policy]
             flag = policy._skip_flag()
             if flag is not None:
-                flags.append(flag)
+                flags.update(dict.fromkeys(keys, flag))
+            answers = [non_finite[key] for key in keys]
             device = answers[0].device if answers else None
             together = torch.stack([a.to(device) for a in answers]).amax() if answers else None
             policy._settle(together)
+        self._unscaled.clear()
         return flags
+
+    def _keys_of(self, policy: Policy) -> list[int] | None:
+        """The optimizers ``policy`` decides for, or None when it decides for every one."""
+        if self._every is not None:
+            return None
+        return [key for key, (_, held) in self._by_optimizer.items() if held is policy]
 
     def policy_of(self, optimizer: torch.optim.Optimizer | None) -> Policy | None:
         """The policy deciding for ``optimizer``, or for every optimizer when it is None."""

@@ -1,11 +1,13 @@
 """Gradient spikes: the histories of a step's norm and loss, and the decision each step takes.
 
-``decide`` reads a step against the histories before it; ``settled`` enters a taken step into
+``world_loss`` takes the step's loss from the ranks that give one; ``decide`` reads a step
+against the histories before it; ``settled`` enters a taken step into
 them; ``report_spike`` tells rank 0 of a skipped one. The public ``SpikePolicy`` strings them
 together; the ``GradScaler`` skips the steps they decide.
 """
 
 from credit.parallel._spikes.decision import Decision, Observed, decide
+from credit.parallel._spikes.loss import WorldLoss, world_loss
 from credit.parallel._spikes.report import report_spike
 from credit.parallel._spikes.settings import SpikeSettings, checked_settings
 from credit.parallel._spikes.state import (
@@ -27,6 +29,7 @@ __all__ = [
     "Observed",
     "SpikeSettings",
     "SpikeState",
+    "WorldLoss",
     "checked_settings",
     "decide",
     "initial",
@@ -34,4 +37,5 @@ __all__ = [
     "report_spike",
     "settled",
     "state_dict",
+    "world_loss",
 ]

@@ -55,8 +55,9 @@ class Decision:
         moments: the history's means and standard deviations before the step.
         z: the z-scores of the norm (and the loss) against them (NaN during the warm-up).
         finite: whether the norm (and the loss) are finite (a bool scalar).
-        spike: whether to skip the step: an outlier, with a finite norm and loss.
-        skip: ``spike`` as the float the scaler's answer takes (1.0 or 0.0), made once.
+        spike: whether the step is a spike: an outlier, with a finite norm and loss.
+        skip: whether the scaler skips the step: a spike, or a norm or loss that is not finite
+            (1.0 or 0.0, the float the scaler's answer takes, made once).
         bound: the ``max_norm`` the step's clip uses (inf: no clipping), or None when the policy
             clips nothing at all.
         entering: what the history takes in if the step is taken: the norm (ZClip's: the
@@ -98,7 +99,7 @@ def decide(settings: SpikeSettings, history: _history.ValueHistory, observed: Ob
         outlier = outlier | (observed.norm > settings.skip_above)
     bound, entering = _clip(settings, moments, z, observed)
     spike = finite & outlier
-    return Decision(observed, moments, z, finite, spike, spike.float(), bound, entering)
+    return Decision(observed, moments, z, finite, spike, (spike | ~finite).float(), bound, entering)
 
 
 def _clip(
