@@ -70,9 +70,10 @@ test-compat:
 	touch $@
 
 # `make test-integrations`: each framework's recipe run against the framework itself, on 4 gloo
-# ranks (integration_tests/), and the complete scripts of docs/examples/ run by the commands the
-# Integrations page shows, with the versions the `integrations` extra pins and the test tools of
-# `integration-tests`. torch is installed first, so that no framework pulls another build of it.
+# ranks (integration_tests/), the complete scripts of docs/examples/ run by the commands the
+# Integrations page shows, and the install lines of the README and the docs in a fresh venv, with
+# the versions the `integrations` extra pins and the test tools of `integration-tests`. torch is
+# installed first, so that no framework pulls another build of it.
 INTEGRATIONS := .venv-integrations
 
 test-integrations: $(INTEGRATIONS)/.installed

@@ -1,86 +1,84 @@
-"""torchtitan 0.3's own trainer on 4 CPU ranks, launched by ``docs/examples/torchtitan_trainer.py``.
+"""torchtitan 0.3's own trainer on 4 CPU ranks, launched by ``docs/examples/torchtitan_trainer.py``
+as the Integrations page writes it.
 
-The launcher runs as a user runs it (``torchrun``, from the repository root, with this
-environment's ``torchrun`` first on the PATH): torchtitan's entry point, config manager and llama3
-``debugmodel`` on dp_shard=2 x tp=2, with a tokenizer and a small text dataset written here (the
-wheel ships neither). torchrun's ``--tee 3`` prefixes each line with its rank.
+The page's CPU console lines for the launcher are run here as written, in their order, from the
+repository root, with this environment's ``python`` and ``torchrun`` first on the PATH: the first
+writes the small tokenizer and dataset the wheel does not ship (``--write-assets``), the second
+runs torchtitan's entry point, config manager and llama3 ``debugmodel`` on dp_shard=2 x tp=2.
+Both write under ``build/`` only (ignored by git). The launcher's docstring shows the same lines.
 """
 
 from __future__ import annotations
 
-import json
+import ast
 import os
 import re
+import shlex
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 from harness import WORLD, framework
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 3
-WORDS = ("the", "mesh", "shard", "tensor", "norm", "clip", "rank", "step", "grad", "loss")
-# "[default<rank>]:" from torchrun's --tee, then torchtitan's logger.
-OURS = re.compile(r"^\[default(\d)\]:.*credit\.parallel clip_grad_norm_: \S+ \((\S+)\)$", re.M)
-LOGGED = re.compile(r"^\[default(\d)\]:.*step:\s+(\d+)\s+loss:\s+(\S+)\s+grad_norm:\s+(\S+)", re.M)
+PAGE = ROOT / "docs" / "integrations.rst"
+SCRIPT = ROOT / "docs" / "examples" / "torchtitan_trainer.py"
+LINE = re.compile(r"^\s*\$ (?P<command>\S.*docs/examples/torchtitan_trainer\.py.*?)\s*$")
+COLOR = re.compile(r"\x1b\[[0-9;]*m")  # torchtitan's metrics are colored, on a terminal or not
+OURS = re.compile(r"credit\.parallel clip_grad_norm_: \S+ \((\S+)\)$", re.M)
+LOGGED = re.compile(r"step:\s+(\d+)\s+loss:\s+(\S+)\s+grad_norm:\s+(\S+)", re.M)
 
 
-def _assets(folder: Path) -> tuple[Path, Path]:
-    """A word-level tokenizer with a BOS and an EOS token, and a dataset of texts in its words."""
-    tokenizers = framework("tokenizers")
-    vocab = {word: i for i, word in enumerate(("<unk>", "<bos>", "<eos>", *WORDS))}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    (folder / "tokenizer").mkdir()
-    tokenizer.save(str(folder / "tokenizer" / "tokenizer.json"))
-    config = {"bos_token": "<bos>", "eos_token": "<eos>"}
-    (folder / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(config))
-    (folder / "c4_test").mkdir()
-    texts = (" ".join(WORDS[(i * j) % len(WORDS)] for j in range(150)) for i in range(32))
-    lines = (json.dumps({"text": text}) for text in texts)
-    (folder / "c4_test" / "data.json").write_text("\n".join(lines) + "\n")
-    return folder / "tokenizer", folder / "c4_test"
+def _page_lines() -> tuple[list[str], list[str]]:
+    """The page's console lines for the launcher: those for a CPU, and those for GPUs."""
+    lines = [m["command"] for m in map(LINE.match, PAGE.read_text().splitlines()) if m]
+    gpu = [c for c in lines if "--device cuda" in c]
+    return [c for c in lines if c not in gpu], gpu
 
 
-def _by_rank(matches: list[tuple[str, ...]]) -> dict[int, list[tuple[str, ...]]]:
-    ranks: dict[int, list[tuple[str, ...]]] = {rank: [] for rank in range(WORLD)}
-    for rank, *rest in matches:
-        ranks[int(rank)].append(tuple(rest))
-    return ranks
+def test_the_page_and_the_launcher_show_the_same_lines():
+    """A line for GPUs with the user's own assets, and two for a CPU: write the assets, then
+    train on them; the launcher's docstring shows the same three."""
+    cpu, gpu = _page_lines()
+    assert len(gpu) == 1 and len(cpu) == 2, (cpu, gpu)
+    assert "--write-assets build/torchtitan-assets" in cpu[0] and cpu[0].startswith("python ")
+    assert "build/torchtitan-assets/tokenizer" in cpu[1] and cpu[1].startswith("torchrun ")
+    docstring = ast.get_docstring(ast.parse(SCRIPT.read_text())) or ""
+    docstring = " ".join(docstring.replace("\\\n", " ").split())
+    for line in cpu + gpu:
+        assert " ".join(line.split()) in docstring, line
 
 
-def test_torchtitan_trainer_clips_with_ours_and_logs_our_norm(tmp_path):
-    """The run ends cleanly after its steps; our clip ran once a step on every rank, with the same
-    bits on all four, and the grad_norm torchtitan's metrics log is ours, on every rank."""
+def test_torchtitan_trainer_runs_on_a_cpu_as_the_page_writes_it():
+    """The run ends cleanly after its 3 steps; our clip ran once a step on each of the 4 ranks,
+    with the same bits on all four, and the grad_norm torchtitan's metrics log (each rank logs
+    its own line) is ours."""
     framework("torchtitan")
-    tokenizer, dataset = _assets(tmp_path)
-    command = [
-        *("torchrun", "--standalone", "--nproc-per-node", str(WORLD), "--tee", "3"),
-        "docs/examples/torchtitan_trainer.py",
-        *("--module", "llama3", "--config", "llama3_debugmodel"),
-        *("--parallelism.data-parallel-shard-degree", "2"),
-        *("--parallelism.tensor-parallel-degree", "2"),
-        *("--parallelism.spmd-backend", "partial_dtensor"),
-        *("--hf-assets-path", str(tokenizer), "--dataloader.dataset-path", str(dataset)),
-        *("--training.steps", str(STEPS), "--training.seq-len", "64"),
-        *("--training.local-batch-size", "2", "--debug.seed", "0"),
-        *("--validator.no-enable", "--metrics.disable-color-printing"),
-        *("--dump-folder", str(tmp_path / "outputs")),
-    ]
+    cpu, _ = _page_lines()
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.pop("OMP_NUM_THREADS", None)  # as a user's shell has it
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-6000:]
-    ours, logged = _by_rank(OURS.findall(output)), _by_rank(LOGGED.findall(output))
-    for rank in range(WORLD):
-        assert len(ours[rank]) == STEPS, (rank, output[-6000:])
-        assert [int(step) for step, _, _ in logged[rank]] == list(range(1, STEPS + 1)), rank
-    for step in range(STEPS):
-        norms = {ours[rank][step][0] for rank in range(WORLD)}
-        assert len(norms) == 1, (step, norms)  # the same bits on every rank
-        norm = float.fromhex(norms.pop())
+    outputs = []
+    for command in cpu:
+        done = subprocess.run(
+            shlex.split(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        )
+        outputs.append(COLOR.sub("", done.stdout + done.stderr))
+        assert done.returncode == 0, (command, outputs[-1][-6000:])
+    assert (ROOT / "build" / "torchtitan-assets" / "tokenizer" / "tokenizer.json").is_file()
+    steps = int(shlex.split(cpu[1])[shlex.split(cpu[1]).index("--training.steps") + 1])
+    output = outputs[1]
+    ours = OURS.findall(output)
+    # Step k+1's clip cannot start on any rank before step k's all_reduce ended on every rank:
+    # the first appearance of each value gives the order of the steps.
+    norms = list(dict.fromkeys(ours))
+    assert len(norms) == steps and Counter(ours) == dict.fromkeys(norms, WORLD), output[-6000:]
+    logged = LOGGED.findall(output)
+    assert sorted(int(step) for step, _, _ in logged) == sorted(
+        list(range(1, steps + 1)) * WORLD
+    ), output[-6000:]
+    for step, _, grad_norm in logged:
+        norm = float.fromhex(norms[int(step) - 1])
         assert 0 < norm < float("inf")
-        for rank in range(WORLD):
-            assert logged[rank][step][2] == f"{norm:.4f}", (rank, step, logged[rank][step])
+        assert grad_norm == f"{norm:.4f}", (step, grad_norm, norm)

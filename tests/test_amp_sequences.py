@@ -448,6 +448,32 @@ def test_a_state_of_the_other_scaling_mode_is_refused():
     assert resumed.get_scale() == 8.0 and resumed.skipped_steps == 0
 
 
+@pytest.mark.parametrize("scaling", [True, False], ids=["scaling", "skipping"])
+def test_a_forgotten_update_is_named_by_the_next_unscale(scaling):
+    """A loop that forgets ``update()`` (or unscales twice) is told to call it, where torch's
+    message names ``step()`` alone; the gradients are left as they were."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", scaling=scaling)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match=r"already been called .*Call scaler\.update\(\)"):
+        scaler.unscale_(optimizer)  # twice before the step
+    scaler.step(optimizer)
+    optimizer.zero_grad()  # scaler.update() forgotten
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"after step\(\).*scaler\.update\(\) was not called"):
+        scaler.unscale_(optimizer)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+    scaler.update()  # the fix the message names
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.skipped_steps == 0
+
+
 # --- the skipped-step report names exactly what unscale_ saw ------------------------------------
 
 

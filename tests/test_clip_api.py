@@ -58,6 +58,8 @@ from credit.parallel.collectives import (
     clip_grads_with_norm_,
     get_total_norm,
 )
+from credit.parallel.integrations.torchtitan import clip_grad_norm_ as titan_clip
+from credit.parallel.spikes import SpikePolicy
 
 FOREACH = (None, True, False)
 # The loss scale of the distributed models: their norm is then about 14, so that every form of
@@ -271,6 +273,36 @@ def test_parameters_without_gradients_warn_and_nothing_changes():
         warnings.simplefilter("error")
         clip_grad_norm_(nn.Linear(3, 2).requires_grad_(False).parameters(), 1.0)
         clip_grad_norm_(model.parameters(), 1.0)
+
+
+def test_the_warnings_point_at_the_callers_line():
+    """Each warning of a clip is located at the user's call (through torch's ``no_grad``
+    wrapper, the spike policy and the torchtitan adapter), not inside torch or this package; so
+    "once per call site" is once per line of the user's code."""
+    grads = [torch.zeros(2), torch.zeros(3)]
+    without = nn.Linear(3, 2)
+    spikes = SpikePolicy(skip=False, adaptive_clip="zscore")
+    calls = [
+        lambda: clip_grad_norm_(grads, 1.0),
+        lambda: clip_grad_norm_(without.parameters(), 1.0),
+        lambda: clip_grad_norm_(without, 1.0),
+        lambda: clip_grad_norm_((p for p in []), 1.0),
+        lambda: clip_grads_with_norm_(without.parameters(), 1.0, torch.tensor(1.0)),
+        lambda: spikes.clip_grad_norm_(without.parameters(), 1.0),
+        lambda: titan_clip(list(without.parameters()), 1.0),
+    ]
+    for call in calls:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            call()
+        where = [(w.filename, w.lineno) for w in seen if w.category is UserWarning]
+        assert where == [(__file__, call.__code__.co_firstlineno)], where
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # Python's own: once per call site
+        for _ in range(2):
+            clip_grad_norm_(grads, 1.0)
+        clip_grad_norm_(grads, 1.0)
+    assert len([w for w in seen if re.search(SLIP, str(w.message))]) == 2
 
 
 def test_nothing_to_clip_returns_before_reading_total_norm_as_torch_does():

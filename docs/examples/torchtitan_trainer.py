@@ -4,13 +4,27 @@ torchtitan's trainer clips with ``dist_utils.clip_grad_norm_``, looked up on its
 ``torchtitan.distributed.utils`` at every step. This launcher sets that name to
 :func:`credit.parallel.integrations.torchtitan.clip_grad_norm_` (same signature), then runs
 torchtitan's entry point, ``torchtitan.train.main``: its config manager, its model registry, its
-``Trainer``. Every argument but ``--device`` is torchtitan's. On 4 GPUs::
+``Trainer``. Every argument but ``--device`` and ``--write-assets`` is torchtitan's. On 4 GPUs::
 
     torchrun --standalone --nproc-per-node 4 docs/examples/torchtitan_trainer.py --device cuda \\
         --module llama3 --config llama3_debugmodel \\
         --parallelism.data-parallel-shard-degree 2 --parallelism.tensor-parallel-degree 2 \\
         --parallelism.spmd-backend partial_dtensor \\
         --hf-assets-path TOKENIZER_DIR --dataloader.dataset-path C4_TEST_DIR
+
+torchtitan's wheel ships no tokenizer and no dataset. ``--write-assets DIR`` writes small ones
+for a try (a word-level tokenizer of a few words under ``DIR/tokenizer``, and 32 texts in those
+words under ``DIR/c4_test``) and exits without training; then, on 4 CPU ranks::
+
+    python docs/examples/torchtitan_trainer.py --write-assets build/torchtitan-assets
+    torchrun --standalone --nproc-per-node 4 docs/examples/torchtitan_trainer.py \\
+        --module llama3 --config llama3_debugmodel \\
+        --parallelism.data-parallel-shard-degree 2 --parallelism.tensor-parallel-degree 2 \\
+        --parallelism.spmd-backend partial_dtensor \\
+        --hf-assets-path build/torchtitan-assets/tokenizer \\
+        --dataloader.dataset-path build/torchtitan-assets/c4_test \\
+        --training.steps 3 --training.seq-len 64 --training.local-batch-size 2 \\
+        --dump-folder build/torchtitan-outputs
 
 ``--device cpu`` (the default, as in the other scripts) runs the same trainer on gloo, with three
 CPU-only steps: torchtitan's device is named ``"cpu"`` (its ``device_type`` is ``"cuda"`` without
@@ -27,9 +41,11 @@ only): where a GPU run must not wait for it, swap in ``clip_grad_norm_`` itself 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -41,6 +57,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
 
 from credit.parallel.integrations.torchtitan import clip_grad_norm_
+
+# The words of the tokenizer and of the texts that --write-assets writes.
+WORDS = ("the", "mesh", "shard", "tensor", "norm", "clip", "rank", "step", "grad", "loss")
 
 
 class CpuDevice:
@@ -132,10 +151,37 @@ def use_cpu() -> None:
     fsdp.disable_fsdp_gradient_division = plain_sums
 
 
+def write_assets(folder: Path) -> None:
+    """What the trainer reads besides its model: a word-level tokenizer (``tokenizer.json`` and
+    ``tokenizer_config.json``, with a BOS and an EOS token) and a dataset of JSON lines with a
+    ``"text"`` field, in its words. Enough to train for a few steps, not to learn anything."""
+    from tokenizers import Tokenizer, models, pre_tokenizers  # a dependency of torchtitan
+
+    vocab = {word: i for i, word in enumerate(("<unk>", "<bos>", "<eos>", *WORDS))}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    (folder / "tokenizer").mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer" / "tokenizer.json"))
+    config = {"bos_token": "<bos>", "eos_token": "<eos>"}
+    (folder / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "c4_test").mkdir(exist_ok=True)
+    texts = (" ".join(WORDS[(i * j) % len(WORDS)] for j in range(150)) for i in range(32))
+    lines = (json.dumps({"text": text}) for text in texts)
+    (folder / "c4_test" / "data.json").write_text("\n".join(lines) + "\n")
+    print(
+        f"wrote {folder}: pass --hf-assets-path {folder / 'tokenizer'} "
+        f"--dataloader.dataset-path {folder / 'c4_test'}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--write-assets", type=Path, metavar="DIR")
     args, torchtitan_args = parser.parse_known_args()
+    if args.write_assets is not None:
+        write_assets(args.write_assets)
+        return
     sys.argv[1:] = torchtitan_args  # what torchtitan's config manager parses
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = set_timeout  # type: ignore[attr-defined]

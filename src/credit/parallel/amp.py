@@ -166,10 +166,16 @@ class GradScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update()."
+                "unscale_() has already been called on this optimizer since the last update(). "
+                "Call scaler.update() once per iteration, after scaler.step(optimizer), and "
+                "unscale_(optimizer) at most once between two update() calls"
             )
         if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
+            raise RuntimeError(
+                "unscale_() is being called after step(), with no update() in between: "
+                "scaler.update() was not called after the last scaler.step(optimizer). Call it "
+                "once per iteration, after the step of every optimizer the scaler steps"
+            )
         grads = _local_grads(optimizer, allow_fp16=not self.scaling)
         local = None
         if self.scaling:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import types
 import warnings
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +30,10 @@ TensorOrTensors = Tensor | Iterable[Tensor]
 # What a clip takes: tensors, a module, or (name, parameter) pairs.
 Parameters = TensorOrTensors | nn.Module | Iterable[tuple[str, Tensor]]
 DistinctAlong = Iterable[tuple[TensorOrTensors, GroupLike]]
+# The package's own files, and the module of torch's ``no_grad`` decorator wrapping its functions:
+# the frames a warning skips to land on its caller's line.
+_PACKAGE = Path(__file__).resolve().parents[1]
+_DECORATOR = "torch.utils._contextlib"
 
 
 def tensor_list(tensors: TensorOrTensors | Iterable[Tensor | None], argument: str) -> list[Tensor]:
@@ -77,7 +83,7 @@ def parameter_list(
     if warn_if_empty_generator and is_generator and not params:
         warnings.warn(
             "`parameters` is an empty generator, no gradient clipping will occur.",
-            stacklevel=3,
+            stacklevel=_caller_stacklevel(),
         )
     return params, None
 
@@ -103,7 +109,25 @@ def warn_no_grads(params: list[Tensor], what: str) -> None:
         )
     else:
         return
-    warnings.warn(message, UserWarning, stacklevel=4)
+    warnings.warn(message, UserWarning, stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by the function calling this one point at
+    the first frame outside the package (and outside torch's ``no_grad`` wrapper): the user's
+    call, however deep the public function that warns, so that "once per call site" is per line
+    of the user's code."""
+    frame = sys._getframe(1)  # the function that warns: stacklevel 1
+    level = 1
+    while frame.f_back is not None and _inside(frame):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _inside(frame: types.FrameType) -> bool:
+    if frame.f_globals.get("__name__") == _DECORATOR:
+        return True
+    return Path(frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
 
 
 def _is_named(item: object) -> bool:
