@@ -48,9 +48,12 @@ def peer_group(group: GroupLike, argument: str) -> ProcessGroup | None:
 
 def collective_device(local: Sequence[torch.Tensor] = ()) -> torch.device:
     """Where a small tensor sent to a collective of the world must live: beside ``local`` when
-    there is one, else on the current CUDA device under NCCL and on the CPU otherwise."""
+    there is one, else on the current CUDA device under NCCL and on the CPU otherwise (and
+    without a process group)."""
     if local:
         return local[0].device
+    if not is_distributed():
+        return torch.device("cpu")
     if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
