@@ -25,18 +25,23 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
+def _bytes(tensor: torch.Tensor) -> bytes:
+    """This rank's elements of ``tensor`` (its shard of a DTensor), as raw bytes."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def _digest(tensors: list[torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        digest.update(local.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(_bytes(tensor))
     return digest.hexdigest()
 
 
 def _bits(value: Any) -> Any:
     """A state entry as exact text: tensors as the hex of their bytes."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes().hex()
+        return _bytes(value).hex()
     if isinstance(value, dict):
         return {str(key): _bits(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

@@ -80,57 +80,67 @@ def _data(folder: Path) -> Path:
     return folder
 
 
-def _config(data: Path, save_loc: Path, resume: bool) -> dict[str, Any]:
-    source = {
+def _source(data: Path) -> dict[str, Any]:
+    files = {
+        "prognostic": {"vars_3D": ["T", "U"], "vars_2D": ["SP"], "path": f"{data}/prog_%Y.nc"},
+        "dynamic_forcing": {"vars_2D": ["tsi"], "path": f"{data}/forcing_%Y.nc"},
+        "static": {"vars_2D": ["LSM"], "path": f"{data}/static.nc"},
+    }
+    variables = {**files, "diagnostic": None}
+    return {
         "dataset_type": "local",
         "level_coord": "level",
         "levels": [500, 850],
-        "variables": {
-            "prognostic": {"vars_3D": ["T", "U"], "vars_2D": ["SP"], "path": f"{data}/prog_%Y.nc"},
-            "dynamic_forcing": {"vars_2D": ["tsi"], "path": f"{data}/forcing_%Y.nc"},
-            "static": {"vars_2D": ["LSM"], "path": f"{data}/static.nc"},
-            "diagnostic": None,
-        },
+        "variables": variables,
     }
-    model = {
-        "type": "nextgen_wxformer",
-        **{"frames": 1, "image_height": 16, "image_width": 32, "levels": 2, "channels": 2},
-        **{"surface_channels": 1, "input_only_channels": 2, "output_only_channels": 0},
-        **{"dim": [8, 16, 32, 64], "dim_head": 4, "depth": [1, 1, 1, 1]},
-        **{"global_window_size": [2, 2, 1, 1], "local_window_size": 1},
-        **{"cross_embed_kernel_sizes": [[2, 4]] * 4, "cross_embed_strides": [2, 2, 2, 2]},
-        **{"num_spectral_nodes": 4, "col_attn_heads": 2, "use_spectral_norm": False},
-    }
-    load = {key: resume for key in ("load_weights", "load_optimizer", "load_scaler")}
-    trainer = {
+
+
+MODEL = {  # CREDIT's nextgen_wxformer (native TP), as small as its constraints allow
+    "type": "nextgen_wxformer",
+    **{"frames": 1, "image_height": 16, "image_width": 32, "levels": 2, "channels": 2},
+    **{"surface_channels": 1, "input_only_channels": 2, "output_only_channels": 0},
+    **{"dim": [8, 16, 32, 64], "dim_head": 4, "depth": [1, 1, 1, 1]},
+    **{"global_window_size": [2, 2, 1, 1], "local_window_size": 1},
+    **{"cross_embed_kernel_sizes": [[2, 4]] * 4, "cross_embed_strides": [2, 2, 2, 2]},
+    **{"num_spectral_nodes": 4, "col_attn_heads": 2, "use_spectral_norm": False},
+}
+POSTBLOCKS = {  # the prediction and the target as CREDIT's metrics read them
+    "reconstruct": {"type": "reconstruct"},
+    "reconstruct_target": {
+        "type": "reconstruct",
+        "args": {"in_key": "y", "out_key": "y_target_processed"},
+    },
+}
+
+
+def _trainer(resume: bool) -> dict[str, Any]:
+    loads = ("load_weights", "load_optimizer", "load_scaler", "load_scheduler", "reload_epoch")
+    return {
         "type": "era5-gen2",
         "parallelism": {"data": "fsdp2", "tensor": 2, "domain": 1},
-        **load,
-        **{"load_scheduler": resume, "reload_epoch": resume, "start_epoch": 0, "epochs": 2},
+        **dict.fromkeys(loads, resume),
+        **{"start_epoch": 0, "epochs": 2, "batches_per_epoch": STEPS},
         **{"learning_rate": 0.001, "weight_decay": 0, "amp": False, "grad_accum_every": 1},
-        **{"train_batch_size": 1, "valid_batch_size": 1, "batches_per_epoch": STEPS},
-        **{"skip_validation": True, "use_scheduler": False, "thread_workers": 0},
+        **{"train_batch_size": 1, "valid_batch_size": 1, "thread_workers": 0},
+        **{"skip_validation": True, "use_scheduler": False},
         **{"save_backup_weights": False, "save_best_weights": False, "save_every_epoch": True},
         # The CREDIT page's keys: grad_max_norm stays a fixed ceiling (0.0: none).
         "grad_max_norm": 0.0,
         "spike_policy": {"warmup": 6},
     }
-    reconstruct_target = {"type": "reconstruct", "args": {"in_key": "y", "out_key": "y_target_processed"}}
+
+
+def _config(data: Path, save_loc: Path, resume: bool) -> dict[str, Any]:
+    period = {"start_datetime": "2020-01-01", "end_datetime": "2020-01-07"}
     return {
         "save_loc": str(save_loc),
         "seed": 1000,
-        "data": {
-            "source": {"ERA5": source},
-            **{"timestep": "6h", "forecast_len": 1},
-            **{"start_datetime": "2020-01-01", "end_datetime": "2020-01-07"},
-        },
+        "data": {"source": {"ERA5": _source(data)}, "timestep": "6h", "forecast_len": 1, **period},
         "preblocks": {"per_step": {"concat": {"type": "concat"}}},
-        "postblocks": {
-            "per_step": {"reconstruct": {"type": "reconstruct"}, "reconstruct_target": reconstruct_target}
-        },
-        "model": model,
+        "postblocks": {"per_step": POSTBLOCKS},
+        "model": MODEL,
         "loss": {"training_loss": "mse", "validation_loss": "mse", "use_latitude_weights": False},
-        "trainer": trainer,
+        "trainer": _trainer(resume),
     }
 
 
@@ -201,7 +211,7 @@ def test_a_run_resumed_from_credits_checkpoint_decides_as_the_straight_run(runs)
     """Resumed from the checkpoint of epoch 0 (the policy's state saved beside the scaler's), epoch
     1 skips the same step, with the same norms, weights and counts, and ends with the same policy
     state bits on every rank."""
-    for straight, resumed in zip(runs["straight"], runs["resumed"]):
+    for straight, resumed in zip(runs["straight"], runs["resumed"], strict=True):
         assert resumed["steps"] == straight["steps"][STEPS:]
         assert resumed["digest_start"] == straight["steps"][STEPS - 1]["digest"]
         assert resumed["policy_state"] == straight["policy_state"]
@@ -216,7 +226,9 @@ def test_credits_epoch_log_leaves_the_skipped_step_out_and_counts_it(runs):
     log = pd.read_csv(runs["folder"] / "straight" / "training_log.csv")
     assert list(log["train_skipped_spikes"]) == [0.0, 1.0]
     assert list(log["train_skipped_non_finite"]) == [0.0, 0.0]
-    world = [sum(losses) / WORLD for losses in zip(*(r["losses"] for r in runs["straight"]))]
+    world = [
+        sum(losses) / WORLD for losses in zip(*(r["losses"] for r in runs["straight"]), strict=True)
+    ]
     taken = [loss for n, loss in enumerate(world[STEPS:], STEPS + 1) if n != SPIKE_STEP]
     assert log["train_loss"][1] == pytest.approx(sum(taken) / len(taken), rel=1e-6)
     assert log["train_loss"][1] != pytest.approx(sum(world[STEPS:]) / STEPS, rel=1e-2)
