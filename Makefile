@@ -76,17 +76,6 @@ test-compat:
 # `integration-tests`. torch is installed first, so that no framework pulls another build of it.
 INTEGRATIONS := .venv-integrations
 
-test-integrations: $(INTEGRATIONS)/.installed $(CREDIT_VENV)/.installed
-	$(INTEGRATIONS)/bin/python -m pytest -q integration_tests --ignore=integration_tests/test_credit.py
-	$(CREDIT_VENV)/bin/python -m pytest -q integration_tests/test_credit.py
-
-$(INTEGRATIONS)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(INTEGRATIONS)
-	$(INTEGRATIONS)/bin/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
-	$(INTEGRATIONS)/bin/python -m pip install --quiet numpy
-	$(INTEGRATIONS)/bin/python -m pip install --quiet torch==2.13.0 -e '.[integration-tests]'
-	touch $@
-
 # CREDIT's own gen2 trainer (integration_tests/test_credit.py) runs in .venv-credit: miles-credit
 # installs a regular `credit` package, which hides this one where it is installed editable (a
 # namespace package), so this package goes in after it, non-editable, as its users install it.
@@ -101,6 +90,17 @@ $(CREDIT_VENV)/.installed: pyproject.toml
 	$(CREDIT_VENV)/bin/python -m pip install --quiet $(CREDIT_TORCH)
 	$(CREDIT_VENV)/bin/python -m pip install --quiet $(CREDIT_TORCH) '.[credit-tests]'
 	$(CREDIT_VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall .
+	touch $@
+
+test-integrations: $(INTEGRATIONS)/.installed $(CREDIT_VENV)/.installed
+	$(INTEGRATIONS)/bin/python -m pytest -q integration_tests --ignore=integration_tests/test_credit.py
+	$(CREDIT_VENV)/bin/python -m pytest -q integration_tests/test_credit.py
+
+$(INTEGRATIONS)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(INTEGRATIONS)
+	$(INTEGRATIONS)/bin/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
+	$(INTEGRATIONS)/bin/python -m pip install --quiet numpy
+	$(INTEGRATIONS)/bin/python -m pip install --quiet torch==2.13.0 -e '.[integration-tests]'
 	touch $@
 
 # `make test-gpu`: the checks that need a CUDA GPU, with the interpreter at hand and nothing
