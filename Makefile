@@ -2,7 +2,8 @@
 # the package itself needs torch>=2.10,<2.16 (`make test-compat` tests both ends). `make demo`
 # installs only what the demo needs (torch and the package); the other targets add the
 # development tools. `make test-integrations` runs the framework recipes (Lightning, accelerate,
-# torchtitan, torchtune) in a venv of their own, .venv-integrations.
+# torchtitan, torchtune) in a venv of their own, .venv-integrations, and CREDIT's own trainer in
+# .venv-credit.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -76,8 +77,25 @@ test-compat:
 # installed first, so that no framework pulls another build of it.
 INTEGRATIONS := .venv-integrations
 
-test-integrations: $(INTEGRATIONS)/.installed
-	$(INTEGRATIONS)/bin/python -m pytest -q integration_tests
+# CREDIT's own gen2 trainer (integration_tests/test_credit.py) runs in .venv-credit: miles-credit
+# installs a regular `credit` package, which hides this one where it is installed editable (a
+# namespace package), so this package goes in after it, non-editable, as its users install it.
+# CREDIT's model modules import torchvision, and PyPI's torchvision 0.28.0 (for torch 2.13.0) is
+# linked against PyPI's CUDA build of torch: beside a CPU build of 2.13.0 it fails to import.
+# PyPI's torch 2.14.1 with torchvision 0.29.1 import and run on the CPU.
+CREDIT_VENV := .venv-credit
+CREDIT_TORCH := torch==2.14.1 torchvision==0.29.1
+
+$(CREDIT_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(CREDIT_VENV)
+	$(CREDIT_VENV)/bin/python -m pip install --quiet $(CREDIT_TORCH)
+	$(CREDIT_VENV)/bin/python -m pip install --quiet $(CREDIT_TORCH) '.[credit-tests]'
+	$(CREDIT_VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall .
+	touch $@
+
+test-integrations: $(INTEGRATIONS)/.installed $(CREDIT_VENV)/.installed
+	$(INTEGRATIONS)/bin/python -m pytest -q integration_tests --ignore=integration_tests/test_credit.py
+	$(CREDIT_VENV)/bin/python -m pytest -q integration_tests/test_credit.py
 
 $(INTEGRATIONS)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(INTEGRATIONS)
@@ -92,4 +110,4 @@ test-gpu:
 	PYTHON=$(PYTHON) tests/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) .venv-torch-* $(INTEGRATIONS) docs/_build .pytest_cache .mypy_cache .ruff_cache build gpu-check.log
+	rm -rf $(VENV) .venv-torch-* $(INTEGRATIONS) $(CREDIT_VENV) docs/_build .pytest_cache .mypy_cache .ruff_cache build gpu-check.log
