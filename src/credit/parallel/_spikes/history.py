@@ -15,8 +15,8 @@ Their statistics:
 Where both go past the published formulas:
 
 - **Gross outliers are left out.** Once :data:`FIRST` values are in, a value further than
-  :data:`BAND` times ``skip_sigma`` robust standard deviations (``1.4826 * MAD``) from the
-  values' median is left out of their mean and variance (the ring's statistics: the window's,
+  :data:`BAND` times ``skip_sigma`` robust standard deviations (the interquartile range /
+  1.349) from the values' median is left out of their mean and variance (the ring's statistics: the window's,
   and the moving average's start), so one outlier taken before any decision cannot widen the
   band for the rest of the run.
 - **The warm-up decides gross outliers.** From :data:`FIRST` values on, the warm-up decides
@@ -28,7 +28,7 @@ Where both go past the published formulas:
   the moving average warms up again from them. On stationary noise a run that long below the
   mean is rare (``p**16`` for ``p = P(x < mean)``, about 0.5 to 0.63).
 
-Every function is elementwise on the device, with two small sorts (the medians): which values
+Every function is elementwise on the device, with one small sort (the quartiles): which values
 enter, and which phase a history is in, are tensors, never read on the host. The quantities
 share each operation, so a loss costs no kernel of its own.
 """
@@ -44,7 +44,7 @@ from torch import Tensor
 from credit.parallel._spikes.settings import SpikeSettings
 
 # Values in before the warm-up decides, and before gross outliers are left out of the ring's
-# statistics: fewer give no reliable median absolute deviation.
+# statistics: fewer give no reliable quartiles.
 FIRST = 8
 # Values in a row below the mean that restart a history from them (a sustained fall).
 FALL = 16
