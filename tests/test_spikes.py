@@ -1,17 +1,26 @@
 """The spike policy in one process: its decisions and thresholds against a float64 computation of
-the published formulas, its arguments, its state, and its steps taken or skipped by the scaler.
+its rule, its arguments, its state, and its steps taken or skipped by the scaler.
 
-The oracle below is written from the formulas, not from the code: ZClip's (Kumar et al. 2025) for
-the moving average (warm-up mean and population variance, ``mean = a*mean + (1-a)*x``,
-``var = a*var + (1-a)*(x - mean)**2`` with the new mean; clipping to
-``mean + z_c**2 * std / z`` or to the mean above ``z_c``; the clipped value enters), OLMo-core's
-for the window (mean and sample standard deviation of the last values). Each step's norm is the
-norm of a one-element gradient, exactly the value fed in (float32). The policy computes in
-float32: its thresholds match the oracle's to a relative 2e-6 (a few float32 roundings of a
-moving average that forgets at 0.97), and its decisions match exactly on sequences whose
-z-scores stay clear of the limits by more than that rounding (asserted).
+The oracle below is written from the rule as the guide states it, not from the code: the
+published formulas, ZClip's (Kumar et al. 2025) for the moving average (``mean = a*mean +
+(1-a)*x``, ``var = a*var + (1-a)*(x - mean)**2`` with the new mean; clipping to
+``mean + z_c**2 * std / z`` or to the mean above ``z_c``; the clipped value enters) and
+OLMo-core's for the window (mean and sample standard deviation of the last values), with the
+package's three departures: once 8 values are in, a value further than ``2 * skip_sigma``
+robust standard deviations (interquartile range / 1.349) from the median is left out of the
+values' statistics (the window's, the moving average's start: the mean and population variance
+of the warm-up's values); the warm-up decides from 8 values on, its band widened by
+``sqrt(warmup / n)``; 16 values in a row below the mean they were decided against keep only
+those 16 (the moving average warms up again from them). Each step's norm is the norm of a
+one-element gradient, exactly the value fed in (float32). The policy computes in float32: its
+thresholds match the oracle's to a relative 2e-6 (a few float32 roundings of a moving average
+that forgets at 0.97), and its decisions match exactly on sequences whose z-scores stay clear of
+the limits (and of 0), and whose values stay clear of the outlier band, by more than that
+rounding (asserted).
 
-Multi-rank behaviour (layouts, fp16, resume at ranks) is in ``test_spikes_layouts.py``.
+Multi-rank behaviour (layouts, fp16, resume at ranks) is in ``test_spikes_layouts.py``; the
+departures' purpose (a spike inside the warm-up, early training's fall) in
+``test_spike_history.py``.
 """
 
 from __future__ import annotations
@@ -33,8 +42,9 @@ RTOL = 2e-6
 MARGIN = 1e-3  # relative distance of every oracle z-score from a limit
 
 
-def _norms(steps: int = 160, spikes: tuple[int, ...] = (40, 90, 91, 130)) -> list[float]:
-    """A drifting, noisy norm with planted spikes (fixed seed)."""
+def _norms(steps: int = 160, spikes: tuple[int, ...] = (3, 40, 90, 91, 130)) -> list[float]:
+    """A drifting, noisy norm with planted spikes (fixed seed): the first before any decision,
+    the others after the warm-ups (within the window's defaults')."""
     rng = random.Random(0)
     values = []
     for step in range(steps):
@@ -50,51 +60,79 @@ def _same_figures(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     )
 
 
+# The rule's constants, as the guide states them.
+FIRST, FALL, BAND, IQR_TO_SIGMA = 8, 16, 2.0, 1.349
+
+
 class _Oracle:
-    """The published formulas in float64: what each step decides."""
+    """The rule in float64: what each step decides."""
 
     def __init__(self, policy: SpikePolicy, ceiling: float | None) -> None:
         self.s = policy.settings
         self.ceiling = math.inf if ceiling is None else ceiling
-        self.taken: list[float] = []
-        self.mean = self.var = 0.0
+        self.rows = self.s.warmup if self.s.history == "ema" else self.s.window
+        self.taken: list[float] = []  # every value entered, oldest first
+        self.length = 0  # how many of the latest the history stands on
+        self.below = 0
+        self.mean = self.var = 0.0  # the moving average, once started
         self.zs: list[float] = []
+        self.margins: list[float] = []  # relative distances of values from the outlier band
 
     def step(self, norm: float) -> tuple[bool, float]:
         s = self.s
-        ready = len(self.taken) >= s.warmup
-        mean, std = self._moments()
-        z = (norm - mean) / (std + s.eps) if ready else -math.inf
-        if ready:
+        moments = self._moments()
+        z = math.nan
+        if moments is not None:
+            mean, var, widen, ready = moments
+            z = (norm - mean) / ((math.sqrt(var) + s.eps) * widen)
             self.zs.append(z)
-        spike = (s.skip and ready and z > s.skip_sigma) or (
-            s.skip_above is not None and norm > s.skip_above
-        )
+        spike = (s.skip and z > s.skip_sigma) or (s.skip_above is not None and norm > s.skip_above)
         threshold, entering = math.inf, norm
-        if s.adaptive_clip and ready and z > s.clip_z:
+        if s.adaptive_clip and moments is not None and ready and z > s.clip_z:
+            std = math.sqrt(var)
             threshold = mean if s.adaptive_clip == "mean" else mean + s.clip_z**2 * std / z
             entering = threshold
         if not spike:
-            self._enter(entering)
+            self._enter(entering, z, moments)
         return spike, min(threshold, self.ceiling)
 
-    def _moments(self) -> tuple[float, float]:
-        if self.s.history == "ema":
-            return self.mean, math.sqrt(self.var)
-        window = self.taken[-self.s.window :]
-        mean = sum(window) / len(window) if window else 0.0
-        var = sum((x - mean) ** 2 for x in window) / max(len(window) - 1, 1)
-        return mean, math.sqrt(var)
+    def _moments(self) -> tuple[float, float, float, bool] | None:
+        """The mean, variance, band's widening and whether the warm-up is over; None while
+        nothing is decided."""
+        s, ready = self.s, self.length >= self.s.warmup
+        if not ready and self.length < FIRST:
+            return None
+        if s.history == "ema" and self.length > s.warmup:
+            return self.mean, self.var, 1.0, True
+        kept = self._kept()
+        mean = sum(kept) / len(kept)
+        squares = sum((x - mean) ** 2 for x in kept)
+        population = s.history == "ema" and ready
+        var = squares / len(kept) if population else squares / max(len(kept) - 1, 1)
+        return mean, var, 1.0 if ready else math.sqrt(s.warmup / self.length), ready
 
-    def _enter(self, value: float) -> None:
-        self.taken.append(value)
+    def _kept(self) -> list[float]:
+        """The values the history stands on, gross outliers left out."""
+        values = self.taken[-min(self.length, self.rows) :]
+        ordered = sorted(values)
+        lower, median, upper = (ordered[(len(values) - 1) * i // 4] for i in (1, 2, 3))
+        spread = (upper - lower) / IQR_TO_SIGMA
+        if len(values) < FIRST or spread == 0:
+            return values
+        reach = BAND * self.s.skip_sigma * spread
+        self.margins += [abs(abs(x - median) - reach) / reach for x in values]
+        return [x for x in values if abs(x - median) <= reach]
+
+    def _enter(self, value: float, z: float, moments: tuple | None) -> None:
         a = self.s.alpha
-        if self.s.history == "ema" and len(self.taken) == self.s.warmup:
-            self.mean = sum(self.taken) / len(self.taken)
-            self.var = sum((x - self.mean) ** 2 for x in self.taken) / len(self.taken)
-        elif self.s.history == "ema" and len(self.taken) > self.s.warmup:
-            self.mean = a * self.mean + (1 - a) * value
-            self.var = a * self.var + (1 - a) * (value - self.mean) ** 2
+        if self.s.history == "ema" and moments is not None and moments[3]:
+            self.mean = a * moments[0] + (1 - a) * value
+            self.var = a * moments[1] + (1 - a) * (value - self.mean) ** 2
+        self.taken.append(value)
+        self.length = min(self.length + 1, self.rows + 1)
+        self.below = self.below + 1 if z < 0 else 0  # NaN: not below
+        if self.below >= FALL:
+            self.length, self.below = min(self.length, FALL, self.rows), 0
 
 
 class _Run:
@@ -125,6 +163,7 @@ SETTINGS = {
     "ema skip + zscore clip": (dict(skip_sigma=5.0, adaptive_clip="zscore"), 3.0),
     "window skip": (dict(history="window", window=32, skip_sigma=4.0), None),
     "window + fixed skip": (dict(history="window", window=16, warmup=4, skip_above=20.0), None),
+    "window defaults": (dict(history="window"), None),
 }
 
 
@@ -147,6 +186,7 @@ def test_decisions_and_thresholds_match_the_published_formulas_in_float64(name):
         decided.append(spike)
     limits = [policy.settings.skip_sigma, policy.settings.clip_z]
     assert all(abs(z - limit) > MARGIN * limit for z in oracle.zs for limit in limits)
+    assert all(abs(z) > MARGIN for z in oracle.zs) and all(m > MARGIN for m in oracle.margins)
     assert policy.skipped_spikes == sum(decided)
     if policy.skips:
         assert run.scaler is not None and run.scaler.skipped_steps == sum(decided)

@@ -55,15 +55,20 @@ class SpikePolicy:
     without a collective of its own, and on a GPU nothing is read back to the host after the
     first step: the decision reaches a fused optimizer on the device, as the scaler's non-finite
     skip does. A step skipped as a spike
-    or for a NaN or inf, and a step during which a value is not finite, enters no history; the
-    first ``warmup`` values decide nothing. A norm (or loss) that stays out for ``restart_after``
-    spikes in a row has found a new level, not a spike: the history then starts over, with a new
-    warm-up, rather than skip every step from then on. A spike is not an overflow: the fp16 loss
-    scale stays as it is (its growth interval counts the step, whose gradients were finite).
+    or for a NaN or inf, and a step during which a value is not finite, enters no history. Past
+    the published formulas, so that a spike inside the warm-up or early training's fast fall does
+    not blind them: a value further than ``2 * skip_sigma`` robust standard deviations from the
+    median is left out of the histories' statistics; from 8 values on, the warm-up skips gross
+    outliers (its band widened by ``sqrt(warmup / n)`` with ``n`` values in); and 16 values in a
+    row below the mean start a history over from them. A norm (or loss) that stays out for
+    ``restart_after`` spikes in a row has found a new level, not a spike: the history then starts
+    over, with a new warm-up, rather than skip every step from then on. A spike is not an
+    overflow: the fp16 loss scale stays as it is (its growth interval counts the step, whose
+    gradients were finite).
 
     Defaults and their sources: ``skip_sigma=6`` and ``window=128`` (OLMo-core's skipped steps),
     ``alpha=0.97``, ``clip_z=2.5`` and a warm-up of 25 steps for the moving average (ZClip, Kumar
-    et al. 2025); the window's warm-up is half the window, as OLMo-core's.
+    et al. 2025); the window decides on its ``window // 2``-th value, as OLMo-core's.
 
     Args:
         skip: skip the steps whose norm or loss z-score exceeds ``skip_sigma``. Default: True.
@@ -74,8 +79,8 @@ class SpikePolicy:
         history: ``"ema"`` or ``"window"``. Default: ``"ema"``.
         alpha: the moving average's decay, in (0, 1). Default: 0.97.
         window: how many past values the window keeps, at least 2. Default: 128.
-        warmup: how many values enter a history before it decides. Default: 25 (``"ema"``), or
-            half the window (``"window"``).
+        warmup: how many values enter a history before its published statistics decide.
+            Default: 25 (``"ema"``), or ``window // 2 - 1`` and at least 2 (``"window"``: 63).
         eps: added to the standard deviation in every z-score. Default: 1e-6.
         restart_after: how many spikes in a row start the histories over (None: never).
             Default: 16.
@@ -232,8 +237,9 @@ class SpikePolicy:
         """The last step's figures, as device scalars (no host read): ``norm``, ``norm_z``,
         ``skip_limit`` (the norm above which it would have been skipped), ``clip_bound`` (the
         clip's ``max_norm``, inf for none), ``spike`` (1.0 when it was decided a spike), and
-        ``loss`` and ``loss_z`` where a loss was given. The z-scores are NaN until the warm-up is
-        over. Empty before the first step."""
+        ``loss`` and ``loss_z`` where a loss was given. The z-scores are NaN until the history
+        decides (8 values in; during the warm-up they are taken against its widened band).
+        Empty before the first step."""
         decision = self._last
         if decision is None:
             return {}

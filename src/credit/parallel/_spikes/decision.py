@@ -53,7 +53,8 @@ class Decision:
     Attributes:
         observed: what the step showed.
         moments: the history's means and standard deviations before the step.
-        z: the z-scores of the norm (and the loss) against them (NaN during the warm-up).
+        z: the z-scores of the norm (and the loss) against them, the warm-up's widened (NaN
+            until the history decides).
         finite: whether the norm (and the loss) are finite (a bool scalar).
         spike: whether the step is a spike: an outlier, with a finite norm and loss.
         skip: whether the scaler skips the step: a spike, or a norm or loss that is not finite
@@ -77,10 +78,7 @@ class Decision:
         """The norm above which the step is skipped (inf while nothing can be)."""
         limit = torch.full((), math.inf, device=self.z.device)
         if settings.skip:
-            mean, std = self.moments.mean[0], self.moments.std[0]
-            limit = torch.where(
-                self.moments.ready, mean + settings.skip_sigma * (std + settings.eps), limit
-            )
+            limit = _history.limit(settings, self.moments, settings.skip_sigma)[0]
         if settings.skip_above is not None:
             limit = limit.clamp(max=settings.skip_above)
         return limit
@@ -94,7 +92,7 @@ def decide(settings: SpikeSettings, history: _history.ValueHistory, observed: Ob
     finite = torch.isfinite(values).all()
     outlier = torch.zeros((), dtype=torch.bool, device=values.device)
     if settings.skip:
-        outlier = (z > settings.skip_sigma).any()  # NaN during the warm-up: never
+        outlier = (z > settings.skip_sigma).any()  # NaN before the history decides: never
     if settings.skip_above is not None:
         outlier = outlier | (observed.norm > settings.skip_above)
     bound, entering = _clip(settings, moments, z, observed)
@@ -109,7 +107,7 @@ def _clip(
     if settings.adaptive_clip is None:
         return observed.ceiling, observed.values
     norm_z, mean = z[0], moments.mean[0]
-    clips = norm_z > settings.clip_z  # NaN during the warm-up: never
+    clips = (norm_z > settings.clip_z) & moments.ready[0]  # ZClip's: never during the warm-up
     if settings.adaptive_clip == "mean":
         threshold = mean
     else:  # the further out, the lower: mean + clip_z * std / (z / clip_z)

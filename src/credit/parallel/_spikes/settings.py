@@ -22,7 +22,8 @@ class SpikeSettings:
         history: ``"ema"`` or ``"window"``.
         alpha: the moving average's decay (``"ema"``).
         window: how many past values the rolling window keeps (``"window"``).
-        warmup: how many values enter a history before it decides anything.
+        warmup: how many values enter a history before its published statistics decide (the
+            warm-up decides gross outliers from ``history.FIRST`` values on).
         eps: added to the standard deviation in every z-score.
         restart_after: how many spikes in a row start the histories over, or None for never.
     """
@@ -78,7 +79,9 @@ def checked_settings(
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     _count("window", window, least=2)
     if warmup is None:
-        warmup = 25 if history == "ema" else max(2, window // 2)
+        # OLMo-core's window decides on its (window // 2)-th value, against the ones before it;
+        # a sample standard deviation needs two.
+        warmup = 25 if history == "ema" else max(2, window // 2 - 1)
     _count("warmup", warmup, least=1 if history == "ema" else 2)
     if history == "window" and warmup > window:
         raise ValueError(f"warmup ({warmup}) must not exceed window ({window})")

@@ -15,7 +15,7 @@ from credit.parallel._spikes.settings import SpikeSettings
 # Places in ``SpikeState.counts``: steps skipped for a NaN or inf, steps skipped as spikes, and
 # restarts of the history.
 NON_FINITE, SPIKE, RESTARTS = range(3)
-_FIELDS = ("values", "count", "mean", "var")  # of a saved ValueHistory
+_FIELDS = ("values", "count", "length", "below", "mean", "var")  # of a saved ValueHistory
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,9 @@ def settled(
         answered = non_finite.to(bad.device) > 0
         bad, spike = bad | answered, spike & ~answered
     take = ~(bad | spike)
-    history = _history.entered(settings, state.history, decision.entering, take)
+    history = _history.entered(
+        settings, state.history, decision.entering, take, decision.moments, decision.z
+    )
     in_a_row = (state.in_a_row + 1) * spike + state.in_a_row * bad  # a taken step ends the run
     restart = torch.zeros_like(spike)
     if settings.restart_after is not None:
@@ -96,8 +98,9 @@ def loaded(settings: SpikeSettings, saved: dict[str, Any]) -> SpikeState:
     """The state :func:`state_dict` saved (on the CPU until the next step moves it).
 
     Raises:
-        ValueError: the state was saved under other settings (naming them), or an entry is
-            missing.
+        ValueError: the state was saved under other settings (naming them), or by a version whose
+            history kept no ring of values for the moving average (no ``length`` entry), or an
+            entry is missing.
     """
     fingerprint = settings.fingerprint()
     theirs = {key: saved[key] for key in ("history", "window", "warmup") if key in saved}
@@ -105,6 +108,12 @@ def loaded(settings: SpikeSettings, saved: dict[str, Any]) -> SpikeState:
         raise ValueError(
             f"the SpikePolicy state was saved with {theirs} and is loaded into a policy with "
             f"{fingerprint}: build the policy with the saved settings"
+        )
+    if "statistics" in saved and "length" not in saved["statistics"]:
+        raise ValueError(
+            "the SpikePolicy state has no entry 'length': it was saved by an earlier version, "
+            "whose histories keep no ring of their last values and cannot be continued; load "
+            "the rest of the checkpoint without it, and the policy starts a new warm-up"
         )
     try:
         statistics = saved["statistics"]
