@@ -54,17 +54,16 @@ class SpikePolicy:
     norm, the loss averaged over the ranks that give one), so every rank takes the same decision
     without a collective of its own, and on a GPU nothing is read back to the host after the
     first step: the decision reaches a fused optimizer on the device, as the scaler's non-finite
-    skip does. A step skipped as a spike
-    or for a NaN or inf, and a step during which a value is not finite, enters no history. Past
-    the published formulas, so that a spike inside the warm-up or early training's fast fall does
-    not blind them: a value further than ``2 * skip_sigma`` robust standard deviations from the
-    median is left out of the histories' statistics; from 8 values on, the warm-up skips gross
-    outliers (its band widened by ``sqrt(warmup / n)`` with ``n`` values in); and 16 values in a
-    row below the mean start a history over from them. A norm (or loss) that stays out for
-    ``restart_after`` spikes in a row has found a new level, not a spike: the history then starts
-    over, with a new warm-up, rather than skip every step from then on. A spike is not an
-    overflow: the fp16 loss scale stays as it is (its growth interval counts the step, whose
-    gradients were finite).
+    skip does. A step skipped as a spike or for a NaN or inf, and a step during which a value is
+    not finite, enters no history. Past the published formulas, so that a spike inside the
+    warm-up or early training's fast fall does not blind them: a value further than twice
+    ``skip_sigma`` robust standard deviations from the median is left out of the histories'
+    statistics; from 8 values on, the warm-up skips gross outliers (its band widened by
+    ``sqrt(warmup / n)`` with ``n`` values in); and 16 values in a row below the mean start a
+    history over from them. A norm (or loss) that stays out for ``restart_after`` spikes in a
+    row has found a new level, not a spike: the history then starts over, with a new warm-up,
+    rather than skip every step from then on. A spike is not an overflow: the fp16 loss scale
+    stays as it is (its growth interval counts the step, whose gradients were finite).
 
     Defaults and their sources: ``skip_sigma=6`` and ``window=128`` (OLMo-core's skipped steps),
     ``alpha=0.97``, ``clip_z=2.5`` and a warm-up of 25 steps for the moving average (ZClip, Kumar
