@@ -374,7 +374,9 @@ def _answers(states: dict[int, dict[str, Any]], spikes: dict[int, Tensor]) -> di
     answers = {}
     for key, state in states.items():
         found = list(state["found_inf_per_device"].values())
-        if found:
+        if len(found) == 1:
+            answers[key] = found[0]
+        elif found:
             device = found[0].device
             answers[key] = torch.stack([answer.to(device) for answer in found]).amax()
     for key, flag in spikes.items():
