@@ -7,12 +7,17 @@ Run from the repository root (``make bench``)::
 It starts ``--nproc-per-node`` ranks (2 gloo processes on CPU by default; ``--backend nccl`` where
 GPUs exist) through torch's elastic launcher, times every selected case of ``cases.CASES`` on them
 side by side, counts the collectives per call at simulated worlds of 8, 64 and 1024 ranks in fresh
-processes, and prints one report: medians, ratios with their goals in words, collectives per call
-and memory. ``--help`` lists the options.
+processes, measures what one rank pays for the norm at simulated worlds of 1,024 to 65,536 ranks
+(``world_scale.py``: first call, steady host time, the elements of each collective, memory held),
+and prints one report: medians, ratios with their goals in words, collectives per call and
+memory. ``--help`` lists the options; ``--cases world-scale`` runs the last alone::
+
+    python benchmarks/run.py --cases world-scale --worlds 1024,8192,65536 --models 8b,70b
 
 The benchmark is not part of the installed package. It shares its workloads with the test suite
 instead of keeping copies: the FSDP2 and FSDP2 + TP layouts (``tests/layouts.py``), the
-simulated-scale counting (``tests/fake_world.py``) and the memory measurement
+simulated-scale counting (``tests/fake_world.py``), the world-scale layouts
+(``tests/world_layouts.py``) and the memory measurement
 (``tests/memory.py``). This script puts ``tests/`` on ``sys.path`` after its own folder, so the
 benchmark's modules and the tests import the same ones.
 """
@@ -30,6 +35,7 @@ from typing import Any
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 SIMULATED = "simulated"
+WORLD_SCALE = "world-scale"
 
 
 def _parser(families: list[str]) -> argparse.ArgumentParser:
@@ -56,6 +62,23 @@ def _parser(families: list[str]) -> argparse.ArgumentParser:
         default=",".join(families),
         help=f"comma-separated, of {','.join(families)} (default: all)",
     )
+    parser.add_argument(
+        "--worlds",
+        default="1024,8192,65536",
+        help="world-scale: comma-separated world sizes in ranks (default 1024,8192,65536)",
+    )
+    parser.add_argument(
+        "--layouts",
+        default="fsdp-tp,hsdp-tp,pipeline,experts",
+        help="world-scale: comma-separated, of fsdp-tp,hsdp-tp,hsdp-tp-8,pipeline,experts "
+        "(default fsdp-tp,hsdp-tp,pipeline,experts)",
+    )
+    parser.add_argument(
+        "--models", default="8b,70b", help="world-scale: comma-separated, of 8b,70b,4-layer"
+    )
+    parser.add_argument(
+        "--steady-calls", type=int, default=20, help="world-scale: later calls timed (default 20)"
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--plot", type=Path, help="write a PNG chart of the ratios here")
     parser.add_argument(
@@ -65,6 +88,42 @@ def _parser(families: list[str]) -> argparse.ArgumentParser:
         help="seconds a rank waits for its peers before the run fails (default 600)",
     )
     return parser
+
+
+def _world_scale_options(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[int], list[str], list[str]]:
+    """The worlds, layouts and models of the world-scale case, checked."""
+    from world_layouts import LAYOUTS, MODELS, fits, fixed_ranks
+
+    try:
+        worlds = [int(world) for world in args.worlds.split(",") if world.strip()]
+    except ValueError:
+        parser.error(f"--worlds takes comma-separated integers, got {args.worlds!r}")
+    layouts = _names(parser, args.layouts, LAYOUTS, "--layouts")
+    models = _names(parser, args.models, tuple(MODELS), "--models")
+    misfits = [
+        f"{world} ({layout})" for world in worlds for layout in layouts if not fits(layout, world)
+    ]
+    if not worlds or misfits:
+        parser.error(
+            f"--worlds: {', '.join(misfits) or 'none given'} do not fit; each must be a multiple, "
+            "at least twice, of "
+            + ", ".join(f"{layout}: {fixed_ranks(layout)}" for layout in layouts)
+        )
+    if args.steady_calls < 1:
+        parser.error("--steady-calls must be at least 1")
+    return worlds, layouts, models
+
+
+def _names(
+    parser: argparse.ArgumentParser, text: str, known: tuple[str, ...], option: str
+) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        parser.error(f"{option}: choose from {', '.join(known)}, got {text!r}")
+    return names
 
 
 def _meta(args: argparse.Namespace) -> dict[str, Any]:
@@ -93,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(1, str(TESTS))
     from cases import CASES
 
-    families = [*dict.fromkeys(case.family for case in CASES), SIMULATED]
+    families = [*dict.fromkeys(case.family for case in CASES), SIMULATED, WORLD_SCALE]
     parser = _parser(families)
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
@@ -103,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown cases: {', '.join(sorted(chosen - set(families)))}")
     if args.nproc_per_node < 1:
         parser.error("--nproc-per-node must be at least 1")
+    scale = _world_scale_options(parser, args) if WORLD_SCALE in chosen else None
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install 'credit-parallel[bench]'")
 
@@ -141,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     if SIMULATED in chosen:
         print("counting collectives at simulated worlds ...", file=sys.stderr)
         results.append(simulated(args.timeout))
+    if scale is not None:
+        from world_scale import world_scale
+
+        print("measuring one rank at simulated worlds ...", file=sys.stderr)
+        results.append(world_scale(*scale, args.steady_calls, args.timeout))
     meta = _meta(args)
     title = (
         f"credit.parallel benchmark: {args.nproc_per_node} ranks, {args.backend}, "
