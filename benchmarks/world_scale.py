@@ -140,6 +140,11 @@ def measure_world(world: int, layout: str, model: str, calls: int) -> dict[str, 
     """Rank 0 of a fake world of ``world`` ranks: ``model`` in ``layout`` (run in a fresh process:
     a world torn down leaves state in torch's caches, and what a first call does once per group
     must be seen by each row)."""
+    import torch
+
+    # One intra-op thread: on a shared machine, waking a pool of threads for a large vector's
+    # kernels costs milliseconds of noise that are not the norm's.
+    torch.set_num_threads(1)
     start = time.perf_counter()
     start_world(world)
     try:
@@ -273,7 +278,11 @@ def world_scale(
         "pipeline (pp=4, dp, tp=8), a quarter of the layers a stage; experts: dense params "
         "dp-sharded over the world, w1/w2/w3 experts on the efsdp dim of (efsdp, ep=8), "
         "distinct along ep",
-        "8b: 32 layers, 291 gradients; 70b: 80 layers, 723; local shards of 4 elements",
+        "8b: 32 layers, 291 gradients; 70b: 80 layers, 723; local shards of 4 elements; one "
+        "intra-op thread; held: tracemalloc's Python bytes and the plain tensors' bytes the "
+        "recorded first call keeps, the resident set's growth over the timed first call",
+        "under pipeline stages a fake world shows stage 0's share of the comparison only (the "
+        "stages' slot counts come back in an all_reduce the fake backend leaves as sent)",
         f"the whole measurement took {total_s:.0f} s; load average at its end {load} "
         f"({os.cpu_count()} CPUs)",
     ]
