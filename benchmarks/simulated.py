@@ -15,17 +15,20 @@ from report import Result, Row
 # (dp, tp) of each world; dp is at least 2, for the two pipeline stages.
 WORLDS = ((2, 4), (8, 8), (128, 8))
 # (what the fake world calls it, what the report calls it, the collectives expected).
+# A norm: the world's all_reduce, after one within tp where the copies are compared; a layout's
+# first call proves it before, in three (the self-check, the copies within tp, their flags).
+NORM, PROOF = 2, 3
 CALLS = (
-    ("first call for a layout", "total_grad_norm, first call for a layout", 2),
-    ("total_grad_norm p=2", "total_grad_norm, a later call", 1),
+    ("first call for a layout", "total_grad_norm, first call for a layout", PROOF + NORM),
+    ("total_grad_norm p=2", "total_grad_norm, a later call", NORM),
     ("total_grad_norm p=inf", "total_grad_norm, inf norm", 1),
-    ("total_grad_norm, unflattened world", "total_grad_norm, meshes unflattened from 1-D", 1),
-    ("clip_grad_norm_", "clip_grad_norm_", 1),
-    ("total_grad_norm with pp_group", "total_grad_norm with pp_group (2 stages)", 1),
+    ("total_grad_norm, unflattened world", "total_grad_norm, meshes unflattened from 1-D", NORM),
+    ("clip_grad_norm_", "clip_grad_norm_", NORM),
+    ("total_grad_norm with pp_group", "total_grad_norm with pp_group (2 stages)", NORM),
     (
         "AMP step (unscale_, clip, step, update)",
         "GradScaler's unscale_ + clip_grad_norm_ + step + update",
-        1,
+        NORM,
     ),
     (
         "allreduce_grads_avg, first call for a layout",
@@ -82,8 +85,8 @@ def simulated(timeout_s: float) -> Result:
             f"norm setup at {largest['world']} ranks: collectives of the first call / a later call",
             f"{first} / {later}",
             "count",
-            "2 / 1",
-            (first, later) == (2, 1),
+            f"{PROOF + NORM} / {NORM}",
+            (first, later) == (PROOF + NORM, NORM),
         )
     )
     result.notes.append(

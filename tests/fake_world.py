@@ -161,14 +161,15 @@ def counts_in_fake_world(dp: int, tp: int, rank: int) -> dict[str, int]:
                 lambda: torch.nn.utils.get_total_norm(on_2d, 2.0).full_tensor()
             ),
             "world": dist.get_world_size(),
-            # The first call for a layout verifies its copy counts in one more all_reduce.
+            # The first call for a layout proves it first: its copy counts in one all_reduce,
+            # its copies within tp, and their flags in one more.
             "first call for a layout": count(lambda: total_grad_norm(grads, 2.0)),
             "first call, unflattened world": count(lambda: total_grad_norm(unflattened, 2.0)),
             "total_grad_norm p=2": count(lambda: total_grad_norm(grads, 2.0)),
             "total_grad_norm, unflattened world": count(lambda: total_grad_norm(unflattened)),
             "total_grad_norm p=inf": count(lambda: total_grad_norm(grads, math.inf)),
             "clip_grad_norm_": count(lambda: clip_grad_norm_(params, 1.0)),
-            # The clip's all_reduce carries the GradScaler's answer: nothing else is issued
+            # The clip's collectives carry the GradScaler's answer: nothing else is issued
             # (the clip above verified the layout).
             "AMP step (unscale_, clip, step, update)": count(amp_step),
             # A policy's first step: the loss's all_reduce, sent whether any rank gives a loss

@@ -119,11 +119,15 @@ def test_the_recorder_sees_a_read_and_a_copy_in_the_library():
 # Each rank's events, named by the calls of the trainer.
 PLAN = (FROM_HOST, "_norm/plan.py:_on_device")  # the plan's constants, one copy
 COPIES = (FROM_HOST, "_norm/copies.py:plan")  # the comparison of copies' constants, one copy
+# The same, where the copies meet in process groups of their own: the constants, and the read of
+# the groups' proof.
+GROUPS = (FROM_HOST, "_norm/group_comparison.py:plan")
+GROUPS_VERDICT = (READ, "_norm/proof.py:_prove_in_groups")
 VERDICT = (READ, "_norm/proof.py:prove")  # the verification's verdict
 INDEX = (FROM_HOST, "_norm/stacking.py:indices")  # an index tensor asked for the first time
 REPORT = (READ, "norm_report.py:_read")
 STAGES = (READ, "_norm/collective.py:_stages")  # the pipeline's one read
-STAGE_RANKS = {(READ, "_common/ownership.py:stage_ranks"): 1}
+STAGE_RANKS = {(READ, "_common/ownership.py:lowest_rank_of_stage"): 1}
 # The copies' verdict, read at once where the collective's tensors are on the CPU (reading costs
 # no sync there); on a GPU it stays on the device (test_host_syncs.py traces the CUDA path).
 CPU_VERDICT = (READ, "_norm/verdict.py:raise_if_copies_differ")
@@ -158,7 +162,9 @@ def _one_stage() -> dict[str, list[Events]]:
 def test_one_stage_copies_its_constants_once_and_reads_nothing_after(ranks):
     for events in ranks.run(4, _one_stage):
         verdict = {CPU_VERDICT: 1}
-        assert events["norm"] == [{PLAN: 1, COPIES: 1, VERDICT: 1, **verdict}, verdict, verdict]
+        # FSDP2 + TP: the copies along tp are compared within their tp groups.
+        first = {PLAN: 1, GROUPS: 1, VERDICT: 1, GROUPS_VERDICT: 1, **verdict}
+        assert events["norm"] == [first, verdict, verdict]
         assert events["norm inf"] == [{}, {}, {}]  # the largest copy needs no comparison
         assert events["clip, tensor max_norm"] == [verdict] * 3
         # The scaler's flag reads the clip's entries through positions kept with the layout.

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 # The right-to-left shard of FSDP2 + TP: a placement of its own, not a Shard subclass, from 2.10 on.
@@ -49,6 +50,16 @@ def is_shard(placement: Placement) -> bool:
     types are matched.
     """
     return isinstance(placement, (Shard, _StridedShard)) or placement.is_shard()
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (itself where it was built whole).
+
+    ``DeviceMesh._get_root_mesh()`` on every supported release (2.10 to 2.15); a release without
+    it answers ``mesh``, which only makes fewer process groups known to hold copies.
+    """
+    found = getattr(mesh, "_get_root_mesh", None)
+    return found() if found is not None else mesh
 
 
 def foreach_norm(tensors: list[Tensor], order: float, dtype: torch.dtype | None) -> list[Tensor]:

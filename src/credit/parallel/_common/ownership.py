@@ -116,12 +116,22 @@ def stage_ranks(at: Stages, pp_group: ProcessGroup | None, device: torch.device)
     return ranks
 
 
+# The lowest rank of this rank's stage, learned once per pipeline group.
+_lowest_by_pp_group: ScopedCache[ProcessGroup, int] = ScopedCache(64)
+
+
 def lowest_rank_of_stage(at: Stages, pp_group: ProcessGroup | None, device: torch.device) -> int:
-    """0 within a single stage; under pipeline stages the lowest of :func:`stage_ranks`, learned
-    in its all_reduce, once per pp_group."""
+    """0 within a single stage; under pipeline stages the lowest rank of this rank's stage,
+    learned once per pp_group in one all_reduce (MIN) of one number per stage, and one read."""
     if pp_group is None:
         return 0
-    return min(stage_ranks(at, pp_group, device))
+    lowest = _lowest_by_pp_group.get(pp_group)
+    if lowest is None:
+        lowest_of = torch.full((at.count,), dist.get_world_size(), dtype=torch.int64, device=device)
+        lowest_of[at.index].fill_(dist.get_rank())
+        dist.all_reduce(lowest_of, op=dist.ReduceOp.MIN)
+        lowest = _lowest_by_pp_group.put(pp_group, int(lowest_of[at.index]))
+    return lowest
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,6 +159,7 @@ class Holding:
             dims, any coordinate along the others (this rank alone for a plain tensor; empty
             where this rank is not in the mesh).
         shard_sizes: the sizes of the mesh dims of ``shard_key``.
+        replicate_dims: the mesh dims along which the gradient is replicated.
     """
 
     description: str
@@ -165,6 +176,7 @@ class Holding:
     replica_index: int = 0
     replicate_slice: frozenset[int] = frozenset()
     shard_sizes: tuple[int, ...] = ()
+    replicate_dims: tuple[int, ...] = ()
 
 
 # id(spec) -> (spec, holding): keeping the spec alive keeps its id from being reused.
@@ -266,6 +278,7 @@ def _dtensor_holding(grad: DTensor) -> Holding:
         shard_sizes=tuple(
             mesh.size(d) for d, placement in enumerate(placements) if not placement.is_replicate()
         ),
+        replicate_dims=tuple(replicate_dims),
     )
 
 
@@ -426,21 +439,28 @@ def copy_group(
 
 
 def copy_slots(
-    held: list[Holding], at: Stages, distinct: list[frozenset[int] | None], order: list[int]
-) -> tuple[list[int], list[tuple[int, torch.dtype]]]:
+    held: list[Holding],
+    at: Stages,
+    distinct: list[frozenset[int] | None],
+    order: list[int],
+    elsewhere: list[bool],
+) -> tuple[list[int], list[tuple[int, int, torch.dtype]]]:
     """A slot per group of copies of this rank's stage, gradients in the order ``order``
-    (input indices): the slot of each gradient (0 where it has no copies), and each slot's
-    number of copies and dtype. The same on every rank of the stage that passed the layout
-    (:func:`copy_slot`)."""
+    (input indices), except those compared ``elsewhere`` (in their copies' own process groups):
+    the slot of each gradient (0 where it has none), and per gradient with slots, how many
+    groups it has, their number of copies and its dtype. The same on every rank of the stage
+    that passed the layout (:func:`copy_slot`)."""
     slot_of = [0] * len(held)
-    per_slot: list[tuple[int, torch.dtype]] = []
+    per_gradient: list[tuple[int, int, torch.dtype]] = []
+    first = 0
     for index in order:
         count = copies(held[index], at, distinct[index])
-        if count > 1:
+        if count > 1 and not elsewhere[index]:
             group, groups = copy_slot(held[index], at, distinct[index])
-            slot_of[index] = len(per_slot) + group
-            per_slot += [(count, held[index].dtype)] * groups
-    return slot_of, per_slot
+            slot_of[index] = first + group
+            per_gradient.append((groups, count, held[index].dtype))
+            first += groups
+    return slot_of, per_gradient
 
 
 def copies(held: Holding, at: Stages, distinct: frozenset[int] | None) -> int:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from credit.parallel._common.groups import moves_data
 from credit.parallel._norm import copies as _copies
+from credit.parallel._norm import group_comparison as _group_comparison
 from credit.parallel._norm import stage_slots as _stage_slots
 from credit.parallel._norm.local_norms import LocalNorms
 from credit.parallel._norm.plan import RESULT_DTYPES, Kind, NormPlan
@@ -122,11 +123,13 @@ def _summed_and_compared(
     values: Tensor, stacked: Tensor | None, plan: NormPlan, regions: Regions | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``values`` summed over the world in float64 beside the comparison of the copies' local
-    norms ``stacked`` (``copies``), in one all_reduce: the sums, the comparison's sums, and
-    whether the copies differed beyond their tolerance (a boolean scalar on the device; False on
-    the fake backend, which moves no data). Under pipeline stages (``regions``, as every rank
-    agreed them) the comparison holds every stage's slots, this stage's in its region; zeros
-    where they do not fit it yet, or without local norms."""
+    norms ``stacked``, in one all_reduce: the sums, the comparison's slots, and whether the
+    copies differed beyond their tolerance (a boolean scalar on the device; False on the fake
+    backend, which moves no data). The copies compared in their own process groups
+    (``group_comparison``) are compared first, and send one flag; the others take slots
+    (``copies``). Under pipeline stages (``regions``, as every rank agreed them) the slots hold
+    every stage's, this stage's in its region (zeros where they do not fit it yet, or without
+    local norms), and every rank sends the flag."""
     copies, device = plan.copies, plan.stacking.device
     rows, offset = _stage_slots.section(regions, plan.at.index, copies.slot_count)
     norms = torch.zeros(0, 1, dtype=torch.float64, device=device)
@@ -135,13 +138,17 @@ def _summed_and_compared(
     elif offset is not None and copies.compared:
         norms = stacked.to(torch.float64).index_select(0, copies.positions)[:, None]
     comparison = _copies.terms_of(copies, norms, rows, offset)
-    vector = torch.cat([values.to(torch.float64), comparison.flatten()])
+    flag = _group_comparison.differ_flag(plan.groups, stacked)
+    if regions is not None and not flag.numel():
+        flag = torch.zeros(1, dtype=torch.float64, device=device)
+    vector = torch.cat([values.to(torch.float64), comparison.flatten(), flag])
     dist.all_reduce(vector, op=dist.ReduceOp.SUM)
-    sums, compared = vector.split([values.numel(), comparison.numel()])
+    sums, compared, flags = vector.split([values.numel(), comparison.numel(), flag.numel()])
     compared = compared.view_as(comparison)
     if not moves_data():
         return sums, compared, torch.zeros((), dtype=torch.bool, device=device)
-    return sums, compared, _copies.differ(compared, copies.limits if regions is None else None)
+    differ = _copies.differ(compared, copies.limits if regions is None else None)
+    return sums, compared, differ | (flags > 0).any()
 
 
 def _shards(

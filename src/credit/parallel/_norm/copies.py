@@ -17,7 +17,7 @@ fingerprints. Shards whose values differ by ``d`` (in L2) have projections that 
 Each group of ``c`` copies has a slot of its own (``ownership.copy_slot``), where each member
 adds ``f`` and ``f**2`` per fingerprint column. From the sums, every rank computes the spread
 ``sqrt(sum (f - mean f)**2) = sqrt(S2 - S1**2 / c)`` of each column and compares it with ``tau``
-times the copies' mean norm (:func:`_grouped_differ`). One copy that differs from the others by
+times the copies' mean norm (:func:`grouped_differ`). One copy that differs from the others by
 ``e`` has spread ``e * sqrt((c - 1) / c)``: it is caught whenever ``e > sqrt(2) * tau * mean
 norm``, whichever copy it is and however many copies there are.
 
@@ -52,7 +52,7 @@ _COLUMNS = 1 + _PROJECTIONS  # the norm and the projections
 _TOLERANCE = 2.0**-16
 _ROUNDINGS = 8
 # The float64 sums of c addends err by at most about 3 c 2**-53 of the sum of squares (see
-# _grouped_differ); this allowance covers it.
+# grouped_differ); this allowance covers it.
 _SUMMATION = 2.0**-51
 
 
@@ -61,17 +61,19 @@ class Slots:
     """Where the gradients' sums go within this rank's stage: a slot per group of copies.
 
     Attributes:
-        of: the slot of each gradient (this rank's group's; 0 where it has no copies).
-        limits: per slot, the number of copies of its group and their tolerance; the same on
-            every rank of the stage.
+        of: the slot of each gradient (this rank's group's; 0 where it has no slot).
+        tau: the tolerance of each gradient's copies (0 where it has no slot).
+        per_gradient: per gradient with slots, in slot order: how many slots (groups) it has,
+            their number of copies and their tolerance; the same on every rank of the stage.
     """
 
     of: list[int]
-    limits: list[tuple[float, float]]
+    tau: list[float]
+    per_gradient: list[tuple[int, float, float]]
 
     @property
     def count(self) -> int:
-        return len(self.limits)
+        return sum(groups for groups, _, _ in self.per_gradient)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class Comparison:
 def plan(
     groups: list[CopyGroup | None],
     slots: Slots,
+    slotted: list[bool],
     position_of: list[int],
     device: torch.device,
     *,
@@ -114,20 +117,32 @@ def plan(
     Args:
         groups: each gradient's copy group on this rank.
         slots: where each gradient's sums go.
+        slotted: per gradient, whether it is compared in slots (not in process groups).
         position_of: the place of each gradient's norm among the stacked norms of a call.
         device: where the comparison's tensors live.
         carry_limits: whether the sums carry each slot's limits (under pipeline stages).
     """
-    compared = [i for i, group in enumerate(groups) if group is not None and group.size > 1]
+    compared = [
+        i for i, group in enumerate(groups) if group is not None and group.size > 1 and slotted[i]
+    ]
     places = [[float(slots.of[i]), float(position_of[i])] for i in compared]
-    carried = [[1.0, slots.limits[slots.of[i]][1]] for i in compared] if carry_limits else []
-    rows = [places, carried, [list(pair) for pair in slots.limits]]
+    carried = [[1.0, slots.tau[i]] for i in compared] if carry_limits else []
+    per_gradient = [[float(groups_), copies_, tau] for groups_, copies_, tau in slots.per_gradient]
+    rows = [places, carried, per_gradient]
+    widths = [2, 2, 3]
     flat = [value for table in rows for row in table for value in row]
     packed = torch.zeros(0, dtype=torch.float64, device=device)
     if flat:  # one copy, where some gradient has copies
-        packed = torch.tensor(flat, dtype=torch.float64, device=device)
-    on_device = packed.split([2 * len(table) for table in rows])
-    places_on_device, carried_on_device, limits = (part.view(-1, 2) for part in on_device)
+        packed = torch.tensor(flat, dtype=torch.float64).to(device)
+    on_device = packed.split([w * len(t) for w, t in zip(widths, rows, strict=True)])
+    places_on_device, carried_on_device, constants = (
+        part.view(-1, w) for part, w in zip(on_device, widths, strict=True)
+    )
+    # Each gradient's constants repeated for its slots, on the device: no list the size of the
+    # world on the host.
+    limits = constants[:, 1:].repeat_interleave(
+        constants[:, 0].long(), dim=0, output_size=slots.count
+    )
     return Comparison(
         groups=groups,
         compared=compared,
@@ -260,11 +275,11 @@ def differ(summed: Tensor, limits: Tensor | None) -> Tensor:
     if limits is None:
         summed, copies, taus = summed.split([summed.shape[1] - 2, 1, 1], dim=1)
         copies = copies.clamp_min(1.0)
-        return _grouped_differ(summed, copies, taus / copies)
-    return _grouped_differ(summed, limits[:, :1], limits[:, 1:])
+        return grouped_differ(summed, copies, taus / copies)
+    return grouped_differ(summed, limits[:, :1], limits[:, 1:])
 
 
-def _grouped_differ(summed: Tensor, copies: Tensor, tau: Tensor) -> Tensor:
+def grouped_differ(summed: Tensor, copies: Tensor, tau: Tensor) -> Tensor:
     """The test of a slot per group of ``c`` copies (``copies``, and ``tau``, one row per slot),
     column by column: the spread of the copies'
     fingerprints about their mean, ``sqrt(sum (f - mean f)**2) = sqrt(S2 - S1**2 / c)``, must not

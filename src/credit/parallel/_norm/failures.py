@@ -30,11 +30,31 @@ def raise_copies_differ(
 ) -> None:
     """Describe the copies that differ and raise the same ValueError on every rank; every rank
     must call it together (it gathers each rank's fingerprints)."""
+    compared = sorted(plan.copies.compared + plan.groups.compared)
     _raise_mismatch(
-        _records(plan.copies, plan.held, local, plan.at.index, label),
+        _records(plan.copies, compared, plan.held, local, plan.at.index, label),
         plan.at.index,
         len(plan.held),
         what,
+    )
+
+
+def raise_groups_misfit(plan: NormPlan, misfit: Tensor, what: str) -> None:
+    """Name the gradients whose process groups, taken for their copies from the meshes' rank
+    maps, hold other shards (``misfit``, per row of ``plan.groups``), and raise the same
+    RuntimeError on every rank; every rank must call it together (it gathers each rank's)."""
+    rows = misfit.tolist()
+    mine = [i for i, bad in zip(plan.groups.compared, rows, strict=True) if bad]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dist.get_rank(), mine))
+    rank, indices = next((rank, found) for rank, found in everyone if found)
+    held = plan.held[indices[0]]
+    raise RuntimeError(
+        f"{what}: gradient {indices[0]} ({held.description}) is held, on rank {rank}, by "
+        "process groups of its meshes that the rank maps take for its copies, yet their ranks "
+        "hold other shards of it (or count other than its copies). Build the meshes of one "
+        "model as slices of one DeviceMesh (init_device_mesh, then mesh['dp'], mesh['tp']), "
+        "with the same rank order on every rank. No gradient was modified."
     )
 
 
@@ -100,15 +120,16 @@ class GradientRecord:
 
 def _records(
     plan: _copies.Comparison,
+    compared: list[int],
     held: list[Holding],
     local: list[Tensor],
     stage: int,
     label: Callable[[int], str],
 ) -> list[GradientRecord]:
     """This rank's :class:`GradientRecord` of every compared gradient."""
-    prints = _copies.fingerprints([local[i] for i in plan.compared], torch.device("cpu")).tolist()
+    prints = _copies.fingerprints([local[i] for i in compared], torch.device("cpu")).tolist()
     found = []
-    for index, fingerprint in zip(plan.compared, prints, strict=True):
+    for index, fingerprint in zip(compared, prints, strict=True):
         group = plan.groups[index]
         assert group is not None
         found.append(

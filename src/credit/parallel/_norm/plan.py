@@ -15,9 +15,10 @@ and kept:
   proof step (``proof``) alone writes.
 
 Host syncs of a layout's first call, and only of it: one blocking host-to-device copy of the plan's
-constants, and one of the comparison's where a shard has copies. Under pipeline stages the first
-call with a pipeline group also learns the lowest rank of its stage, in one all_reduce that every
-rank joins (``ownership.stage_ranks``). An index tensor costs one copy the first time a caller
+constants, and one of each comparison's (``copies``, ``group_comparison``) where it compares
+anything. Under pipeline stages the first call with a pipeline group also learns the lowest rank
+of its stage, in one all_reduce of one number per stage that every rank joins
+(``ownership.lowest_rank_of_stage``). An index tensor costs one copy the first time a caller
 asks for it (a report's segments, a scaler's set of gradients).
 """
 
@@ -31,13 +32,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
+from credit.parallel._common import copy_groups as _copy_groups
 from credit.parallel._common import ownership as _ownership
 from credit.parallel._common.groups import collective_device
 from credit.parallel._common.layout_check import verify_same_layout
 from credit.parallel._common.ownership import CopyGroup, Holding, Stages
 from credit.parallel._common.scoped import ScopedCache
 from credit.parallel._norm import copies as _copies
+from credit.parallel._norm import group_comparison as _group_comparison
 from credit.parallel._norm import partial as _partial
 from credit.parallel._norm.request import NormRequest
 from credit.parallel._norm.stacking import Stacking, stacking_on
@@ -101,7 +105,9 @@ class NormPlan:
             copies on its reference rank (``Stages.is_reference``), zeros elsewhere; carried by
             every norm's all_reduce, so that every rank learns every stage's count
             (``stage_slots``).
-        copies: how this rank's shards enter the comparison of copies (``copies``).
+        copies: how this rank's shards enter the comparison of copies in the world's
+            all_reduce, a slot per group of copies (``copies``).
+        groups: how they enter it in their copies' own process groups (``group_comparison``).
         verification: the self-check's terms (per gradient within a stage, per stage across
             stages) and the error flag, sent by the proof.
         proof: what the layout's proof found (see :class:`Proof`).
@@ -124,6 +130,7 @@ class NormPlan:
     slot_counts: Tensor
     verification: Tensor
     copies: _copies.Comparison
+    groups: _group_comparison.GroupComparison
     proof: Proof = field(default_factory=Proof)
 
 
@@ -205,7 +212,8 @@ def _plan(
     stacked_weights = counts.weights
     if at.count > 1 and _plain_replicas(held, declared):  # the reference copy's norm
         stacked_weights = [float(dist.get_rank() == lowest)] * len(stacked_weights)
-    slots = _copy_slots(held, at, distinct, stacking)
+    in_groups = _groups_of_copies(held, at, distinct)
+    slots = _copy_slots(held, at, distinct, stacking, in_groups)
     rows = _stage_rows(at, counts.coverage, error, slots, grads_dtype)
     weights, votes, checks, slot_counts, verification = _on_device([stacked_weights, *rows], device)
     unweighted = all(w == 1.0 for w in stacked_weights)
@@ -226,7 +234,8 @@ def _plan(
         checks=checks,
         slot_counts=slot_counts,
         verification=verification,
-        copies=_comparison(held, at, lowest, distinct, error, stacking, slots, device),
+        copies=_comparison(held, at, lowest, distinct, error, stacking, slots, in_groups, device),
+        groups=_compared_in_groups(held, at, in_groups, stacking, device),
     )
 
 
@@ -238,14 +247,20 @@ def _promoted(dtypes: set[torch.dtype]) -> torch.dtype:
 
 
 def _copy_slots(
-    held: list[Holding], at: Stages, distinct: list[frozenset[int] | None], stacking: Stacking
+    held: list[Holding],
+    at: Stages,
+    distinct: list[frozenset[int] | None],
+    stacking: Stacking,
+    in_groups: list[tuple[ProcessGroup, ...] | None],
 ) -> _copies.Slots:
-    """A slot per group of copies of this rank's stage, with its copies and tolerance: the same
-    on every rank of the stage, even where the layout cannot be reduced (the proof's vector has
-    the same length on every rank)."""
-    slot_of, per_slot = _ownership.copy_slots(held, at, distinct, stacking.stacked)
-    limits = [(float(copies), _copies.tolerance(dtype)) for copies, dtype in per_slot]
-    return _copies.Slots(slot_of, limits)
+    """A slot per group of copies of this rank's stage, for the gradients not compared in
+    process groups, with their copies and tolerance: the same on every rank of the stage, even
+    where the layout cannot be reduced (the proof's vector has the same length on every rank)."""
+    elsewhere = [groups is not None for groups in in_groups]
+    slot_of, per_gradient = _ownership.copy_slots(held, at, distinct, stacking.stacked, elsewhere)
+    tau = [0.0 if elsewhere[i] else _copies.tolerance(h.dtype) for i, h in enumerate(held)]
+    constants = [(groups, float(c), _copies.tolerance(d)) for groups, c, d in per_gradient]
+    return _copies.Slots(slot_of, tau, constants)
 
 
 def _comparison(
@@ -256,6 +271,7 @@ def _comparison(
     error: str | None,
     stacking: Stacking,
     slots: _copies.Slots,
+    in_groups: list[tuple[ProcessGroup, ...] | None],
     device: torch.device,
 ) -> _copies.Comparison:
     """How the layout's copies are compared (``copies``); nothing is compared where the layout
@@ -265,10 +281,59 @@ def _comparison(
         groups = [
             _ownership.copy_group(h, at, lowest, d) for h, d in zip(held, distinct, strict=True)
         ]
-    position_of = [0] * len(held)
+    position_of = _positions(stacking, len(held))
+    slotted = [found is None for found in in_groups]
+    return _copies.plan(groups, slots, slotted, position_of, device, carry_limits=at.count > 1)
+
+
+def _groups_of_copies(
+    held: list[Holding],
+    at: Stages,
+    distinct: list[frozenset[int] | None],
+) -> list[tuple[ProcessGroup, ...] | None]:
+    """Per gradient, the process groups its copies are compared in (``copy_groups``), or None
+    where they take slots in the world's all_reduce; decided once per distinct holding."""
+    meshes = _copy_groups.candidate_meshes(held)
+    decided: dict[tuple[int, frozenset[int] | None], tuple[ProcessGroup, ...] | None] = {}
+    found = []
+    for h, d in zip(held, distinct, strict=True):
+        key = (id(h), d)
+        if key not in decided:
+            decided[key] = _copy_groups.groups_of_copies(h, at, d, meshes)
+        found.append(decided[key])
+    return found
+
+
+def _compared_in_groups(
+    held: list[Holding],
+    at: Stages,
+    in_groups: list[tuple[ProcessGroup, ...] | None],
+    stacking: Stacking,
+    device: torch.device,
+) -> _group_comparison.GroupComparison:
+    """How the gradients compared in process groups enter the comparison
+    (``group_comparison``): each one's copies, tolerance and shard's key."""
+    per_gradient = [
+        (
+            float(_ownership.copies(h, at, None)),
+            _copies.tolerance(h.dtype),
+            float(_ownership.copy_slot(h, at, None)[0]),
+        )
+        if found is not None
+        else (0.0, 0.0, 0.0)
+        for h, found in zip(held, in_groups, strict=True)
+    ]
+    return _group_comparison.plan(
+        in_groups, stacking.stacked, _positions(stacking, len(held)), per_gradient, device
+    )
+
+
+def _positions(stacking: Stacking, count: int) -> list[int]:
+    """The place of each gradient's norm among a call's stacked norms."""
+    position_of = [0] * count
     for position, index in enumerate(stacking.stacked):
         position_of[index] = position
-    return _copies.plan(groups, slots, position_of, device, carry_limits=at.count > 1)
+    return position_of
 
 
 def _on_device(rows: list[list[float]], device: torch.device) -> list[Tensor]:
