@@ -254,7 +254,7 @@ def _dtensor_holding(grad: DTensor) -> Holding:
             f"on a mesh ({shape})"
         ),
         mesh=mesh,
-        mesh_ranks=frozenset(mesh.mesh.flatten().tolist()),
+        mesh_ranks=_ranks_of(mesh),
         replicas=math.prod(
             mesh.size(dim)
             for dim, placement in enumerate(placements)
@@ -274,7 +274,7 @@ def _dtensor_holding(grad: DTensor) -> Holding:
         replica_index=_ravel(
             [coordinate[d] for d in replicate_dims], [mesh.size(d) for d in replicate_dims]
         ),
-        replicate_slice=_replicate_slice(mesh, replicate_dims),
+        replicate_slice=_ranks_of(mesh, tuple(replicate_dims) or None),
         shard_sizes=tuple(
             mesh.size(d) for d, placement in enumerate(placements) if not placement.is_replicate()
         ),
@@ -282,11 +282,28 @@ def _dtensor_holding(grad: DTensor) -> Holding:
     )
 
 
-def _replicate_slice(mesh: DeviceMesh, replicate_dims: list[int]) -> frozenset[int]:
+# Sets of a mesh's ranks, one per mesh object and slice, shared by the holdings on it: a set has
+# the size of the mesh, and a model's gradients lie on a few meshes.
+_mesh_ranks: ScopedCache[tuple[int, tuple[int, ...] | None], tuple[DeviceMesh, frozenset[int]]]
+_mesh_ranks = ScopedCache(256)
+
+
+def _ranks_of(mesh: DeviceMesh, fixed: tuple[int, ...] | None = None) -> frozenset[int]:
+    """The ranks of ``mesh`` (with ``fixed``, those at this rank's coordinates along those
+    dims, any along the others; empty where this rank is not in the mesh)."""
+    found = _mesh_ranks.get((id(mesh), fixed))
+    if found is None:  # the mesh is kept with its set, so that its id is not reused
+        found = _mesh_ranks.put((id(mesh), fixed), (mesh, _ranks(mesh, fixed)))
+    return found[1]
+
+
+def _ranks(mesh: DeviceMesh, fixed: tuple[int, ...] | None) -> frozenset[int]:
+    if fixed is None:
+        return frozenset(mesh.mesh.flatten().tolist())
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return frozenset()
-    index = tuple(coordinate[d] if d in replicate_dims else slice(None) for d in range(mesh.ndim))
+    index = tuple(coordinate[d] if d in fixed else slice(None) for d in range(mesh.ndim))
     return frozenset(mesh.mesh[index].flatten().tolist())
 
 
