@@ -1,4 +1,4 @@
-"""The norm's fifth step: the one collective of each kind of layout, side by side.
+"""The norm's fifth step: the one collective over the world of each kind of layout, side by side.
 
 Each kind sends a vector of its own, because bit parity with torch depends on it (one element more
 moves gloo's chunking, and with it the bits of the others):
@@ -7,12 +7,15 @@ moves gloo's chunking, and with it the bits of the others):
   shard (``ownership``), the all_reduce completes the vector of per-gradient p-th powers (MAX for
   inf) and the norm of that vector is the total: torch's operations in torch's order, so a layout
   without copies (FSDP2 over the whole world) gives torch's bits. Where shards have copies, the
-  sum runs in float64 and carries the comparison of the copies' local norms (``copies``);
+  sum runs in float64 and carries the verdict of the copies compared in their own process groups
+  just before (``group_comparison``: the only collectives besides the world's), and the
+  comparison of the others' local norms in slots (``copies``);
 - plain replicas (:func:`_replicas`, DDP): the reference copy's per-gradient norms beside the
   comparison, so every rank returns the same number, torch's bits where the copies are
   bit-identical;
 - pipeline stages (:func:`_stages`): one float64 number per segment, the comparison of every
-  stage's groups of copies (each stage in its region, ``stage_slots``), and what the stages
+  stage's groups of copies in slots (each stage in its region, ``stage_slots``) and the flag of
+  those compared in their process groups, and what the stages
   decide together, read on the host once per call. A stage of plain replicas sends its
   reference copy's norms, as without stages.
 

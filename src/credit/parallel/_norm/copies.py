@@ -14,8 +14,10 @@ Each rank takes a fingerprint of each local shard ``x`` (in float64): its L2 nor
 fingerprints. Shards whose values differ by ``d`` (in L2) have projections that differ by about
 ``d`` each, whatever their norms: a random projection keeps distances.
 
-Each group of ``c`` copies has a slot of its own (``ownership.copy_slot``), where each member
-adds ``f`` and ``f**2`` per fingerprint column. From the sums, every rank computes the spread
+The copies that meet in process groups of their own are compared there (``group_comparison``,
+with the same test); the others, a group of ``c`` copies at a time, each in a slot of the world's
+all_reduce (``ownership.copy_slot``), where each member adds ``f`` and ``f**2`` per fingerprint
+column. From the sums, every rank computes the spread
 ``sqrt(sum (f - mean f)**2) = sqrt(S2 - S1**2 / c)`` of each column and compares it with ``tau``
 times the copies' mean norm (:func:`grouped_differ`). One copy that differs from the others by
 ``e`` has spread ``e * sqrt((c - 1) / c)``: it is caught whenever ``e > sqrt(2) * tau * mean
