@@ -6,7 +6,7 @@ Run from the repository root (``make bench``)::
 
 It starts ``--nproc-per-node`` ranks (2 gloo processes on CPU by default; ``--backend nccl`` where
 GPUs exist) through torch's elastic launcher, times every selected case of ``cases.CASES`` on them
-side by side, counts the collectives per call at simulated worlds of 8, 64 and 1024 ranks in fresh
+side by side, counts the collectives per call at simulated worlds of 16, 64 and 1024 ranks in fresh
 processes, measures what one rank pays for the norm at simulated worlds of 1,024 to 65,536 ranks
 (``world_scale.py``: first call, steady host time, the elements of each collective, memory held),
 and prints one report: medians, ratios with their goals in words, collectives per call and

@@ -1,4 +1,4 @@
-"""Collectives per call at simulated worlds of 8, 64 and 1024 ranks (torch's fake backend).
+"""Collectives per call at simulated worlds of 16, 64 and 1024 ranks (torch's fake backend).
 
 The counting is the scale tests' (``tests/fake_world.py``): one rank of each world counts the
 collectives of every call on FSDP2 + TP gradients, in a fresh process per world.
@@ -12,8 +12,9 @@ import multiprocessing
 from fake_world import EXPECTED_BUCKETS, counts_in_fake_world
 from report import Result, Row
 
-# (dp, tp) of each world; dp is at least 2, for the two pipeline stages.
-WORLDS = ((2, 4), (8, 8), (128, 8))
+# (dp, tp) of each world; dp is at least 4, so that each of the two pipeline stages has copies
+# in groups of their own on tp.
+WORLDS = ((4, 4), (8, 8), (128, 8))
 # (what the fake world calls it, what the report calls it, the collectives expected).
 # A norm: the world's all_reduce, after one within tp where the copies are compared; a layout's
 # first call proves it before, in three (the self-check, the copies within tp, their flags).
@@ -90,7 +91,7 @@ def simulated(timeout_s: float) -> Result:
         )
     )
     result.notes.append(
-        "one rank of a (dp, tp) mesh of (2, 4), (8, 8) and (128, 8); 100 gradients: dp-sharded "
+        "one rank of a (dp, tp) mesh of (4, 4), (8, 8) and (128, 8); 100 gradients: dp-sharded "
         "on the 1D dp mesh, colwise, rowwise and replicated on the 2D mesh, plain ones beside; "
         "with pp_group, a (2, dp/2, tp) mesh as (pp, dp, tp)"
     )

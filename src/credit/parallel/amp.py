@@ -56,8 +56,8 @@ class GradScaler(torch.amp.GradScaler):
     ``unscale_`` checks the local shards and issues no collective. A norm of this package over the
     world that covers the optimizer's gradients answers for every rank from its own reduced values
     (a NaN or inf in any gradient makes its norm non-finite on every rank), and returns exactly
-    what it returns without a scaler; ``step`` and ``update`` issue none: one collective per
-    step. A norm over part of the gradients leaves the answer to a later norm; without one,
+    what it returns without a scaler; ``step`` and ``update`` issue none: the norm's collectives
+    per step. A norm over part of the gradients leaves the answer to a later norm; without one,
     ``step`` (or ``update``, when ``step`` was not called) issues one small all_reduce. Each
     optimizer gets its own answer, as with torch's scaler, and two scalers never answer each
     other's optimizers. A clip whose coefficient is not finite (a NaN or negative tensor

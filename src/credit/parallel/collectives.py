@@ -229,7 +229,7 @@ def get_total_norm(
     :func:`total_grad_norm` under torch's name and signature (``error_if_nonfinite`` and
     ``foreach`` may be passed by position), for trainers that take the norm first and clip with
     :func:`clip_grads_with_norm_` after, logging or reducing the norm in between. It costs the
-    clip's one collective, answers a :class:`~credit.parallel.amp.GradScaler`'s pending flag as
+    clip's collectives, answers a :class:`~credit.parallel.amp.GradScaler`'s pending flag as
     the clip does (when it covers the optimizer's gradients), and where torch works it returns
     torch's bits: the same as torch's ``get_total_norm(...)`` on plain tensors, and as its
     ``.full_tensor()`` on DTensors on a mesh spanning the world.

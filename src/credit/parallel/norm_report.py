@@ -1,10 +1,11 @@
-"""Per-group gradient norms for logging, from the same single collective as the total norm.
+"""Per-group gradient norms for logging, from the same collectives as the total norm.
 
 The gradients go through the norm pipeline of
 :func:`~credit.parallel.collectives.total_grad_norm` (every distinct element counted once, every
 NaN seen): within one pipeline stage it yields each gradient's global norm, and each group's norm
 is the norm of its gradients' entries; across pipeline stages each rank sends one number per
-group. Either way one all_reduce gives every group's norm and the total on every rank.
+group. Either way one all_reduce over the world gives every group's norm and the total on every
+rank.
 """
 
 from __future__ import annotations
