@@ -236,12 +236,19 @@ def ddp(ctx: Context) -> Workload:
         grads,
         params,
         max_norm=max_norm,
-        rows=[checks.same_bits_as_torch(params, max_norm)],
+        rows=[
+            checks.same_bits_as_torch(params, max_norm),
+            checks.wire_of(
+                lambda: clip_grad_norm_(params, max_norm),
+                [(3 * len(params), ctx.world)],
+                ctx.device,
+            ),
+        ],
         notes=[
             "torch's clip takes each rank's norm alone, with no collective: a NaN or inf on one "
             "rank, or copies that drifted apart, stay on that rank; ours returns torch's bits and "
-            f"adds one all_reduce of 1 + 4 x {len(params)} float64 numbers (this rank's norm and "
-            "the comparison of every gradient's copies)"
+            f"adds one all_reduce of 3 x {len(params)} float64 numbers (a norm per gradient, and "
+            "two per gradient that compare its copies)"
         ],
     )
 
