@@ -67,7 +67,8 @@ class Case:
     ``family`` groups cases that differ only in size (selected and reported together; default:
     the key);
     ``memory`` adds each variant's peak extra memory and the memory it keeps between calls;
-    ``even_world`` skips the case on an odd number of ranks.
+    ``even_world`` skips the case on an odd number of ranks, ``min_world`` on fewer ranks than
+    that, with ``needs`` (why, in words) in its note.
     """
 
     key: str
@@ -78,6 +79,8 @@ class Case:
     counts: tuple[Count, ...] = ()
     memory: bool = False
     even_world: bool = False
+    min_world: int = 1
+    needs: str = ""
     family: str = ""
 
     def __post_init__(self) -> None:
@@ -233,7 +236,30 @@ GATHER_REPLICAS = Way(
     "replicas_all_gather", "all_gather of every copy, compared", lambda w: w.steps["all_gather"]
 )
 
+GROUP_ROUND = Way(
+    "group_round",
+    "the group round alone (same size, same group)",
+    lambda w: w.steps["group_round"],
+)
+WORLD_ROUND = Way(
+    "world_round",
+    "the world's all_reduce alone (same size)",
+    lambda w: w.steps["world_round"],
+)
+BOTH_ROUNDS = Way(
+    "both_rounds",
+    "both all_reduces alone, one after the other",
+    lambda w: w.steps["both_rounds"],
+)
+
 SCALING_SIZES = (500, 2000, 8000)
+
+# Where the copies of a gradient meet in a process group of their own (dp >= 2 x tp = 2; HSDP's
+# replicas over shards of at least 2), the norm compares them there first: a group round.
+COPY_GROUP_LAYOUTS = {
+    "fsdp-tp": ("fsdp_tp", "FSDP2 + TP", "dp = world / 2 >= 2 beside tp = 2"),
+    "hsdp": ("hsdp", "HSDP", "shard = world / 2 >= 2 beside replicate = 2"),
+}
 
 CASES: tuple[Case, ...] = (
     Case(
@@ -381,6 +407,31 @@ CASES: tuple[Case, ...] = (
             Count(SHA1_REPLICAS, None),
             Count(GATHER_REPLICAS, None),
         ),
+    ),
+    *(
+        Case(
+            f"copy-groups-{name}",
+            f"copies compared in their own groups, {title}",
+            functools.partial(workloads.copy_groups, layout=layout),
+            (OURS_CLIP, GROUP_ROUND, WORLD_ROUND, BOTH_ROUNDS),
+            ratios=(
+                Ratio(GROUP_ROUND, OURS_CLIP),
+                Ratio(WORLD_ROUND, OURS_CLIP),
+                Ratio(BOTH_ROUNDS, OURS_CLIP),
+            ),
+            counts=(
+                Count(OURS_CLIP, 2),
+                Count(GROUP_ROUND, 1),
+                Count(WORLD_ROUND, 1),
+                Count(BOTH_ROUNDS, 2),
+            ),
+            even_world=True,
+            min_world=4,
+            needs=f"{needs}: on fewer, every copy is in one group over the world, compared in the "
+            "world's all_reduce, and no group round runs",
+            family="copy-groups",
+        )
+        for name, (layout, title, needs) in COPY_GROUP_LAYOUTS.items()
     ),
     Case(
         "setup",

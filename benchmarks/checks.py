@@ -10,6 +10,7 @@ from baselines import norm_per_mesh_group, torch_clip
 from layouts import ulp_distance
 from report import Row
 from torch import Tensor, nn
+from world_layouts import describe, wire
 
 from credit.parallel._common.compat import local_tensor
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
@@ -112,6 +113,25 @@ def replicas_found_equal(steps: dict[str, Callable[[], object]], all_compared: b
     verdicts = [step() for step in steps.values()]
     holds = all_compared and all(v is not False for v in verdicts)
     return _check_row("every variant finds every copy equal; ours compares every tensor", holds)
+
+
+def wire_of(
+    call: Callable[[], object], expected: list[tuple[int, int]], device: torch.device
+) -> Row:
+    """Whether ``call`` issues, on every rank, exactly the all_reduces ``expected`` lists in
+    order, each as (float64 elements, ranks in its group); ``device`` is the ranks'."""
+    seen = wire(call)
+    holds = [(c.op, c.elements, c.dtype, c.group) for c in seen] == [
+        ("c10d::allreduce_", elements, "torch.float64", ranks) for elements, ranks in expected
+    ]
+    goal = " + ".join(f"{elements:,} over {ranks}" for elements, ranks in expected)
+    return Row(
+        "ours's collectives per call (float64 elements, ranks)",
+        describe(seen),
+        "check",
+        f"== {goal}",
+        _on_every_rank(holds, device),
+    )
 
 
 def _on_every_rank(holds: bool, device: torch.device) -> bool:

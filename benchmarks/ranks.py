@@ -68,9 +68,9 @@ def rank_main(config: Config) -> list[Result] | None:
 def run_case(case: Case, ctx: Context, progress: Progress) -> Result:
     """Build the case's workload, time its ways side by side, and derive its rows."""
     progress.start(case.key)
-    if case.even_world and ctx.world % 2:
-        note = "needs an even number of ranks"
-        return Result(case.key, case.family, case.name, case.name, notes=[note])
+    skipped = _skipped(case, ctx.world)
+    if skipped is not None:
+        return Result(case.key, case.family, case.name, case.name, notes=[skipped])
     workload = case.build(ctx)
     calls = {way.key: way.make(workload) for way in case.ways}
     times = measure(calls, warmup=ctx.warmup, reps=ctx.reps, device=ctx.device, progress=progress)
@@ -103,6 +103,18 @@ def run_case(case: Case, ctx: Context, progress: Progress) -> Result:
         len(workload.grads) if workload.per_gradient else 0,
         workload.first_calls,
     )
+
+
+def _skipped(case: Case, world: int) -> str | None:
+    """Why ``case`` cannot run on ``world`` ranks, or None where it can."""
+    if case.even_world and world % 2:
+        return "needs an even number of ranks"
+    if world < case.min_world:
+        return (
+            f"needs at least {case.min_world} ranks ({case.needs}); skipped on {world}: run "
+            f"with --nproc-per-node {case.min_world}"
+        )
+    return None
 
 
 def _kept_after(call: Callable[[], object]) -> int:

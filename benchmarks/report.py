@@ -86,7 +86,8 @@ def _verdict(row: Row) -> str:
 
 def _case_lines(result: Result) -> list[str]:
     lines = [f"== {result.title}"]
-    width = max([len(v.label) for v in result.variants] + [len(r.label) for r in result.rows])
+    labels = [v.label for v in result.variants] + [r.label for r in result.rows]
+    width = max(map(len, labels), default=0)  # a skipped case has neither
     if result.variants:
         first = f" {'first call ms':>13}" if result.first_calls else ""
         per = f" {'us per grad':>11}" if result.per_gradient else ""

@@ -14,6 +14,11 @@ memory. ``--help`` lists the options; ``--cases world-scale`` runs the last alon
 
     python benchmarks/run.py --cases world-scale --worlds 1024,8192,65536 --models 8b,70b
 
+The copy-groups cases, where the norm compares copies in their own process groups before the
+world's all_reduce, need 4 ranks or more; on fewer they are skipped with a note::
+
+    python benchmarks/run.py --cases copy-groups --nproc-per-node 4
+
 The benchmark is not part of the installed package. It shares its workloads with the test suite
 instead of keeping copies: the FSDP2 and FSDP2 + TP layouts (``tests/layouts.py``), the
 simulated-scale counting (``tests/fake_world.py``), the world-scale layouts

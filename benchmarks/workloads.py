@@ -9,6 +9,7 @@ numbers.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from credit.parallel._common.compat import local_tensor
@@ -235,12 +236,19 @@ def ddp(ctx: Context) -> Workload:
         grads,
         params,
         max_norm=max_norm,
-        rows=[checks.same_bits_as_torch(params, max_norm)],
+        rows=[
+            checks.same_bits_as_torch(params, max_norm),
+            checks.wire_of(
+                lambda: clip_grad_norm_(params, max_norm),
+                [(3 * len(params), ctx.world)],
+                ctx.device,
+            ),
+        ],
         notes=[
             "torch's clip takes each rank's norm alone, with no collective: a NaN or inf on one "
             "rank, or copies that drifted apart, stay on that rank; ours returns torch's bits and "
-            f"adds one all_reduce of 1 + 4 x {len(params)} float64 numbers (this rank's norm and "
-            "the comparison of every gradient's copies)"
+            f"adds one all_reduce of 3 x {len(params)} float64 numbers (a norm per gradient, and "
+            "two per gradient that compare its copies)"
         ],
     )
 
@@ -281,6 +289,80 @@ def mixed(ctx: Context) -> Workload:
         rows=[checks.ulps_from_norm_per_mesh_group(grads)],
         notes=[checks.torch_clip_fails(params, max_norm)],
     )
+
+
+# The process group where each layout's copies meet, by its mesh dim's name.
+COPY_GROUP_DIMS = {"fsdp_tp": "tp", "hsdp": "replicate"}
+
+
+def copy_groups(ctx: Context, layout: str) -> Workload:
+    """FSDP2 + TP or HSDP, where the norm compares the copies of a gradient in their own
+    process group (tp; HSDP's replicate dim) before the world's all_reduce; beside it, each of
+    those two all_reduces alone, with buffers of the sizes ours sends.
+
+    The sizes follow from the layout: two float64 numbers per gradient whose copies span the
+    group (on a mesh without its dim, as FSDP2's dp mesh sliced from a (dp, tp) one, whose
+    copies are its peers there, or Replicate on that dim), and over the world one number per
+    gradient and the flag; ``checks.wire_of`` holds ours to them.
+    """
+    dim = COPY_GROUP_DIMS[layout]
+    params, grads, max_norm = _to_clip(ctx, layout, 12)
+    meshes = [grad.device_mesh for grad in grads if isinstance(grad, DTensor)]
+    group = next(m for m in meshes if dim in (m.mesh_dim_names or ())).get_group(dim)
+    beside = sum(dim not in (m.mesh_dim_names or ()) for m in meshes)
+    replicated = sum(_replicated_on(grad, dim) for grad in grads)
+    sizes = (2 * (beside + replicated), len(grads) + 1)
+    in_group, in_world = (torch.zeros(n, dtype=torch.float64, device=ctx.device) for n in sizes)
+
+    def both_rounds() -> None:
+        dist.all_reduce(in_group, group=group)
+        dist.all_reduce(in_world)
+
+    span = f"{replicated} with Replicate on {dim}"
+    if beside:
+        span = f"{beside} on a mesh without {dim} (their copies are their {dim} peers) and {span}"
+    return Workload(
+        f"copies compared in their own groups, {_layout_title(layout, ctx.world)}: "
+        f"{len(grads)} grads, {beside + replicated} of them compared over {dim} "
+        f"({group.size()} ranks)",
+        grads,
+        params,
+        max_norm=max_norm,
+        steps={
+            "group_round": functools.partial(dist.all_reduce, in_group, group=group),
+            "world_round": functools.partial(dist.all_reduce, in_world),
+            "both_rounds": both_rounds,
+        },
+        rows=[
+            checks.wire_of(
+                lambda: clip_grad_norm_(params, max_norm),
+                [(sizes[0], group.size()), (sizes[1], ctx.world)],
+                ctx.device,
+            )
+        ],
+        notes=[
+            f"ours: the group round, one all_reduce over {dim} of 2 float64 numbers per gradient "
+            f"whose copies span it ({span}), then the world's all_reduce of one number per "
+            "gradient and the flag of the comparison; the other variants time those "
+            "all_reduces alone, on buffers of the same sizes over the same ranks",
+            f"on these {ctx.world} ranks of one machine, gloo's all_reduce over {group.size()} "
+            f"ranks and over {ctx.world} move data through the same loopback; across nodes the "
+            "group round stays within the copies' own group (tp within a node; HSDP's replicas)",
+        ],
+    )
+
+
+def _layout_title(layout: str, world: int) -> str:
+    if layout == "hsdp":
+        return f"HSDP (replicate=2, shard={world // 2})"
+    return f"FSDP2 (dp={world // 2}) + TP (tp=2)"
+
+
+def _replicated_on(grad: Tensor, dim: str) -> bool:
+    if not isinstance(grad, DTensor):
+        return False
+    names = grad.device_mesh.mesh_dim_names or ()
+    return dim in names and isinstance(grad.placements[names.index(dim)], Replicate)
 
 
 def scaling(ctx: Context, count: int) -> Workload:
