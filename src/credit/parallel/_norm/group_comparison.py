@@ -63,11 +63,6 @@ class GroupComparison:
     limits: Tensor
     keys: Tensor
 
-    @property
-    def flags(self) -> int:
-        """How many numbers the norm's all_reduce carries for it: this rank's flag, if any row."""
-        return 1 if self.compared else 0
-
 
 def plan(
     groups: list[tuple[ProcessGroup, ...] | None],
@@ -100,11 +95,11 @@ def plan(
     constants, indices = packed.split([len(table), len(rows)])
     constants = constants.view(-1, 4)
     key = constants[:, 3:]
-    rounds = []
-    for group, found, index in zip(
-        ordered, members, indices.long().split([len(m) for m in members]), strict=True
-    ):
-        rounds.append(Round(group, None if len(found) == len(compared) else index))
+    indices_of = indices.long().split([len(found) for found in members])
+    rounds = [
+        Round(group, None if len(found) == len(compared) else index)
+        for group, found, index in zip(ordered, members, indices_of, strict=True)
+    ]
     return GroupComparison(
         compared=compared,
         rounds=rounds,
@@ -138,8 +133,9 @@ def summed(comparison: GroupComparison, columns: Tensor) -> Tensor:
 
 def differ_flag(comparison: GroupComparison, stacked: Tensor | None) -> Tensor:
     """This rank's flag for the norm's all_reduce: 1.0 where the copies of any of its rows
-    differ beyond the tolerance (a NaN or inf too), else 0.0; shape (:attr:`flags`,), float64.
-    Issues the comparison's all_reduces; a rank without local norms sends zeros in them."""
+    differ beyond the tolerance (a NaN or inf too), else 0.0: float64 of shape (1,), or (0,)
+    where nothing is compared this way. Issues the comparison's all_reduces; a rank without
+    local norms sends zeros in them."""
     if not comparison.compared:
         return comparison.limits.new_zeros(0)
     prints = comparison.limits.new_zeros(len(comparison.compared), 1)
