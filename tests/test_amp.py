@@ -10,8 +10,10 @@ expert, or a copy that another rank holds too. Oracle: the scale history that to
 gives for the planted steps (skip and back off by 0.5 on each, double after 2 clean steps), the
 same on every rank; parameters unchanged on the skipped steps; and after every step every copy of
 every parameter holding the same bits on every rank that holds it. Foreach and fused AdamW.
-Collectives per step: one once the layout is verified (the clip's all_reduce carries the answer),
-plus the skipped-step report's all_gather where a foreach step reads the answer on the host.
+Collectives per step, once the layout is verified: the clip's, that is one all_reduce within each
+process group where copies of a shard meet (tp, HSDP's replicas, the ep peers of the dense
+shards), then one over the world, which carries the answer; plus the skipped-step report's
+all_gather where a foreach step reads the answer on the host.
 
 Against torch: on FSDP2 over the world, where torch's scaler is right, the same scales, skips, norms
 and parameter bits as ``torch.amp.GradScaler`` with torch's clip, step for step. On FSDP2 + TP with a
@@ -43,7 +45,7 @@ from amp_layouts import (
 )
 from layouts import IN_DIM
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
+from world_layouts import WireRecorder
 
 from credit.parallel._common.compat import local_tensor
 from credit.parallel.amp import GradScaler
@@ -63,7 +65,7 @@ def _train(name: str, plants: tuple[Plant, ...], optimizer_kind: str, unscale: b
             if plant.step == step:
                 plant_value(model, plant)
         before = local_bits(model)
-        with CommDebugMode() as comm:
+        with WireRecorder() as wire:
             if unscale:
                 scaler.unscale_(optimizer)
                 clip_grad_norm_(model.parameters(), MAX_NORM, **layout.clip_kwargs)
@@ -72,7 +74,7 @@ def _train(name: str, plants: tuple[Plant, ...], optimizer_kind: str, unscale: b
         after = local_bits(model)
         record["scale"].append(scaler.get_scale())
         record["skipped"].append(scaler.last_step_skipped)
-        record["collectives"].append(comm.get_total_counts())
+        record["collectives"].append(wire.groups)
         record["kept"].append(all(torch.equal(before[n], after[n]) for n in before))
         record["copies"].append(copies_agree(layout))
         optimizer.zero_grad()
@@ -81,6 +83,20 @@ def _train(name: str, plants: tuple[Plant, ...], optimizer_kind: str, unscale: b
 
 
 INF, NAN = math.inf, math.nan
+# Per layout, the sizes of the process groups where the norm compares copies of shards, one
+# all_reduce each before the world's: tp (FSDP2 + TP: the rowwise biases replicated on tp, the dp
+# mesh's shards on their tp peers), HSDP's replicate dim, and the ep peers of the experts layout's
+# dense dp shards. None elsewhere: no copies (FSDP2 over the world or over each stage), or copies
+# that span the world (TP over the world beside plain replicas), compared in the world's.
+COPY_GROUPS = {
+    "fsdp": [],
+    "fsdp_tp": [2],
+    "hsdp": [2],
+    "tp": [],
+    "pp_equal": [],
+    "pp_unequal": [],
+    "experts": [2],
+}
 MATRIX: list[tuple[int, str, str, tuple[Plant, ...]]] = [
     (4, "fsdp", "foreach", (Plant(2, 1, "shard", INF), Plant(4, 3, "shard", NAN))),
     (4, "fsdp_tp", "foreach", (Plant(2, 3, "tp", INF), Plant(4, 1, "copy", NAN))),
@@ -112,11 +128,13 @@ def test_every_rank_takes_the_same_decision(ranks, world, name, optimizer, plant
         assert all(record["copies"]), f"{label}: copies differ after steps {record['copies']}"
         for step in range(STEPS):
             assert record["kept"][step] == (step in skipped), f"{label} step {step}"
-        # One collective per step once the layout is verified; a foreach step that skips reads
-        # the answer on the host and reports the culprits in one all_gather.
+        # Per step once the layout is verified, by the size of each collective's group: the
+        # clip's, within the copies' groups then over the world; a foreach step that skips reads
+        # the answer on the host and reports the culprits in one all_gather over the world.
         for step in range(1, STEPS):
             reported = step in skipped and not fused
-            assert record["collectives"][step] == 1 + reported, f"{label} step {step}: {record}"
+            groups = [*COPY_GROUPS[name], world] + [world] * reported
+            assert record["collectives"][step] == groups, f"{label} step {step}: {record}"
 
 
 # --- against torch --------------------------------------------------------------------------------
@@ -211,7 +229,8 @@ def test_step_without_unscale_decides_for_the_world(ranks, optimizer):
         assert record["scale"] == expected_scales({2})
         assert all(record["copies"])
         reported = [step == 2 and optimizer == "foreach" for step in range(STEPS)]
-        assert record["collectives"] == [1 + r for r in reported]
+        # No clip, so no copies compared: step's own all_reduce over the world, and the report's.
+        assert record["collectives"] == [[4] + [4] * r for r in reported]
 
 
 def _two_optimizers(value: float) -> dict:
@@ -229,7 +248,7 @@ def _two_optimizers(value: float) -> dict:
         if step == 3:
             plant_value(model, Plant(3, 2, "expert", value))
         before = local_bits(model)
-        with CommDebugMode() as comm:
+        with WireRecorder() as wire:
             for optimizer in optimizers:
                 scaler.unscale_(optimizer)
             clip_grad_norm_(model.parameters(), MAX_NORM, **layout.clip_kwargs)
@@ -247,7 +266,7 @@ def _two_optimizers(value: float) -> dict:
             )
         )
         skipped.append(scaler.last_step_skipped)
-        counts.append(comm.get_total_counts())
+        counts.append(wire.groups)
         for optimizer in optimizers:
             optimizer.zero_grad()
     return {"skipped": skipped, "scale": scaler.get_scale(), "counts": counts, "kept": kept}
@@ -256,22 +275,25 @@ def _two_optimizers(value: float) -> dict:
 def test_a_nan_clip_skips_every_optimizer_it_covers(ranks):
     """A NaN in an expert makes the clip's total NaN, and the clip multiplies every gradient by
     NaN: both optimizers skip, on every rank (torch's scaler would step the dense one, into NaN);
-    the skipped step is reported once per optimizer."""
+    the skipped step is reported once per optimizer. Collectives per step: the clip's, within
+    ep (the dense dp shards' copies) then over the world; and the two reports' all_gathers."""
+    clip = [*COPY_GROUPS["experts"], 4]
     for record in ranks.run(4, _two_optimizers, NAN):
         assert record["skipped"] == [step == 3 for step in range(STEPS)]
         assert record["scale"] == expected_scales({3})[-1]
         assert record["kept"][3] == (True, True)
-        assert record["counts"][1:] == [1, 1, 1 + 2, 1, 1]
+        assert record["counts"][1:] == [clip, clip, [*clip, 4, 4], clip, clip]
 
 
 def test_each_optimizer_takes_its_own_answer(ranks):
     """An inf in an expert: the clip's total is inf and its coefficient 0, so the dense
     gradients are zeros, finite: the dense optimizer steps, as with torch's scaler, and the
     experts' skips (reported once)."""
+    clip = [*COPY_GROUPS["experts"], 4]
     for record in ranks.run(4, _two_optimizers, INF):
         assert record["skipped"] == [step == 3 for step in range(STEPS)]
         assert record["kept"][3] == (False, True)
-        assert record["counts"][1:] == [1, 1, 1 + 1, 1, 1]
+        assert record["counts"][1:] == [clip, clip, [*clip, 4], clip, clip]
 
 
 def _skip_mode(optimizer_kind: str) -> dict:
@@ -287,7 +309,7 @@ def _skip_mode(optimizer_kind: str) -> dict:
         if step in (1, 4):
             plant_value(model, Plant(step, 3 - step % 2, "tp", NAN if step == 1 else INF))
         grads = [local_tensor(p.grad).clone() for p in model.parameters()]
-        with CommDebugMode() as comm:
+        with WireRecorder() as wire:
             scaler.unscale_(optimizer)
             record["unscaled"].append(
                 all(
@@ -300,7 +322,7 @@ def _skip_mode(optimizer_kind: str) -> dict:
             scaler.update()
         record["scale"].append(scaler.get_scale())
         record["skipped"].append(scaler.last_step_skipped)
-        record["counts"].append(comm.get_total_counts())
+        record["counts"].append(wire.groups)
         optimizer.zero_grad()
     record["skipped_steps"] = scaler.skipped_steps
     record["copies"] = copies_agree(layout)
@@ -316,7 +338,9 @@ def test_skip_mode_without_scaling(ranks, optimizer):
         assert all(record["unscaled"]), "unscale_ must leave the gradients as they are"
         assert record["copies"]
         reported = [step in (1, 4) and optimizer == "foreach" for step in range(STEPS)]
-        assert record["counts"][1:] == [1 + r for r in reported[1:]]
+        # The clip's within tp then over the world; the report's all_gather over the world.
+        clip = [*COPY_GROUPS["fsdp_tp"], 4]
+        assert record["counts"][1:] == [clip + [4] * r for r in reported[1:]]
 
 
 def _uncovered() -> dict:
@@ -333,11 +357,11 @@ def _uncovered() -> dict:
         if dist.get_rank() == 2:
             local_tensor(model.embed.weight.grad).view(-1)[0] = math.nan
         scaler.unscale_(optimizer)
-        with CommDebugMode() as comm:
+        with WireRecorder() as wire:
             norm = clip_grad_norm_(model.blocks.parameters(), MAX_NORM)
             scaler.step(optimizer)
         scaler.update()
-        clips[scaler_type.__module__] = (norm, scaler, comm.get_total_counts())
+        clips[scaler_type.__module__] = (norm, scaler, wire.groups)
     norm, scaler, counts = clips[GradScaler.__module__]
     torch_norm = clips[torch.amp.GradScaler.__module__][0]
     return {
@@ -350,10 +374,14 @@ def _uncovered() -> dict:
 
 def test_a_flag_the_clip_does_not_cover_still_skips(ranks):
     """The clip returns what it returns without a scaler (finite: the NaN is outside it) and
-    leaves the flag to step, whose all_reduce makes every rank skip. Collectives: the clip's two
-    (its layout's first call), the flag's one, the report's all_gather."""
+    leaves the flag to step, whose all_reduce makes every rank skip. Collectives, by the size of
+    their group: the clip's on its layout's first call (the proof: the self-check over the world,
+    the copies of the rowwise biases within tp, their flags over the world; then the norm: within
+    tp, over the world), the flag's one, the report's all_gather."""
+    proof, norm = [4, 2, 4], [2, 4]
     for record in ranks.run(4, _uncovered):
-        assert record == {"skipped": True, "norm_bits": True, "finite": True, "counts": 2 + 1 + 1}
+        counts = proof + norm + [4, 4]
+        assert record == {"skipped": True, "norm_bits": True, "finite": True, "counts": counts}
 
 
 def _report(steps: int) -> list[str]:

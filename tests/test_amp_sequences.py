@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
+from world_layouts import WireRecorder
 
 from credit.parallel._common.compat import local_tensor
 from credit.parallel.amp import GradScaler
@@ -190,13 +191,13 @@ def _credit_run(name: str, grad_max_norm: float | str, plants: tuple[Plant, ...]
                 )
                 continue
             before = local_bits(model)
-            with CommDebugMode() as comm:
+            with WireRecorder() as wire:
                 _credit_boundary_step(
                     model, optimizer, scaler, mesh, grad_max_norm, seen.__setitem__
                 )
             after = local_bits(model)
             record["kept"].append(all(torch.equal(before[n], after[n]) for n in before))
-            record["counts"].append(comm.get_total_counts())
+            record["counts"].append(wire.groups)
         record["scale"].append(ours.get_scale())
         record["skipped"].append(ours.last_step_skipped)
         record["copies"].append(copies_agree(runs[0][2]))
@@ -240,15 +241,22 @@ def test_credits_boundary_step_skips_exactly_the_planted_steps(ranks, name, grad
         for step in range(min(skipped) + 1):
             compared = record["norms_as_without"][step]
             assert compared and all(compared.values()), f"{label} step {step}: {compared}"
-        # Steady state: the scaler adds no collective to CREDIT's own. Those: the syncs (domain
-        # and tp on tp x domain, tp alone under FSDP2), then the dynamic clip's DTensor norm,
-        # CREDIT's all_reduce of the plain norms (tp x domain only) and the clip, or the fixed
-        # clip alone; a skipped step adds the report's all_gather (loop AdamW).
-        syncs = 2 if name == "tp_domain" else 1
-        clip = (3 if name == "tp_domain" else 2) if grad_max_norm == "dynamic" else 1
+        # Steady state: the scaler adds no collective to CREDIT's own. Those, by the size of
+        # their process group: the syncs (domain and tp on tp x domain, tp alone under FSDP2),
+        # then CREDIT's all_reduce of the plain norms (tp x domain only) and the dynamic clip's
+        # DTensor norm, and the clip, or the fixed clip alone; a skipped step adds the report's
+        # all_gather (loop AdamW). Each norm compares copies in their own group first, then
+        # runs the world's one all_reduce: on tp x domain the TP shards' copies on their domain
+        # peers, within domain (the rowwise biases, replicated on tp, have copies on every rank:
+        # compared in the world's, as the plain replicas); under FSDP2 + TP, within tp.
+        syncs = [2, 2] if name == "tp_domain" else [2]
+        norm = [2, WORLD]
+        clip = norm
+        if grad_max_norm == "dynamic":
+            clip = ([WORLD] if name == "tp_domain" else []) + norm + norm
         for step in range(1, STEPS):
-            expected = syncs + clip + (step in skipped)
-            assert record["counts"][step] == expected, f"{label} step {step}"
+            groups = syncs + clip + [WORLD] * (step in skipped)
+            assert record["counts"][step] == groups, f"{label} step {step}: {record['counts']}"
 
 
 # --- two models, one scaler each ----------------------------------------------------------------

@@ -3,7 +3,8 @@
 Without the check, a count, shape or dtype mismatch across ranks makes gloo abort the process
 (shown in test_faults.py) and NCCL hang. With ``check=True`` or ``CREDIT_PARALLEL_CHECK=1`` every
 rank raises the same RuntimeError naming the first differing gradient, before any gradient is
-touched, and the group keeps working. When the layouts agree the check costs one small collective.
+touched, and the group keeps working. When the layouts agree the check costs a few small
+collectives.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from layouts import build, local_bytes
 from torch import Tensor, nn
 from torch.distributed.tensor.debug import CommDebugMode
+from world_layouts import WireRecorder
 
 from credit.parallel._common.layout_check import ENV_VAR, verify_same_layout
 from credit.parallel.collectives import (
@@ -139,6 +141,8 @@ def test_environment_variable_turns_the_check_on(ranks, function):
 
 
 def _collectives_with_and_without_check(function: str) -> dict[str, dict[str, int]]:
+    """Per setting of the check, the collectives of a call, counted per operator and size of
+    their process group."""
     params = _params(function)
     _call(function, params, False)  # the first call for a layout verifies it: count later ones
     counts = {}
@@ -151,9 +155,10 @@ def _collectives_with_and_without_check(function: str) -> dict[str, dict[str, in
             ("env overridden", False, "1"),
         ):
             os.environ[ENV_VAR] = env
-            with CommDebugMode() as comm:
+            with WireRecorder() as wire:
                 _call(function, params, check)
-            counts[label] = {str(op): n for op, n in comm.get_comm_counts().items()}
+            keys = [f"{c.op} on {c.group}" for c in wire.collectives]
+            counts[label] = {key: keys.count(key) for key in keys}
     finally:
         if previous is None:
             del os.environ[ENV_VAR]
@@ -162,10 +167,19 @@ def _collectives_with_and_without_check(function: str) -> dict[str, dict[str, in
     return counts
 
 
-# Added by the check: one all_reduce of a few int64 for averaging (MAX of the layout digest and of
-# its negation); for the norms that one, the self-check's, which runs on every checked call, and
-# one int64 first that hands a gradient one rank refuses (on the meta device) to every rank.
-CHECK_COLLECTIVES = {"allreduce_grads_avg": 1, "total_grad_norm": 3, "clip_grad_norm_": 3}
+# Added by the check, each an all_reduce over the world (4 ranks) unless said: one of a few int64
+# for averaging (MAX of the layout digest and of its negation); for the norms that one and the
+# layout's proof, which runs on every checked call: the self-check's, then (FSDP2 + TP on
+# (dp=2, tp=2)) the copies' full fingerprints within tp (2 ranks) and one all_reduce of their
+# three flags; and one int64 first that hands a gradient one rank refuses (on the meta device)
+# to every rank.
+ALL_REDUCE = "c10d::allreduce_"
+NORM_CHECK = {f"{ALL_REDUCE} on {WORLD}": 4, f"{ALL_REDUCE} on 2": 1}
+CHECK_COLLECTIVES = {
+    "allreduce_grads_avg": {f"{ALL_REDUCE} on {WORLD}": 1},
+    "total_grad_norm": NORM_CHECK,
+    "clip_grad_norm_": NORM_CHECK,
+}
 
 
 @pytest.mark.parametrize("function", FUNCTIONS)
@@ -173,9 +187,7 @@ def test_check_costs_small_collectives(ranks, function):
     counts = ranks.run(WORLD, _collectives_with_and_without_check, function)[0]
     off, on = counts["off"], counts["on"]
     added = {op: on.get(op, 0) - off.get(op, 0) for op in set(on) | set(off)}
-    assert {op: n for op, n in added.items() if n} == {
-        "c10d.allreduce_": CHECK_COLLECTIVES[function]
-    }, counts
+    assert {op: n for op, n in added.items() if n} == CHECK_COLLECTIVES[function], counts
     assert counts["env"] == on
     assert counts["env overridden"] == off
 

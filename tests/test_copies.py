@@ -9,7 +9,8 @@ inside pipeline stages. Each asserts that the call raises the same ValueError on
 the gradient, the ranks that disagree and the likely fix, that no gradient changed, and that the
 corrected call returns the oracle: ``torch.nn.utils.get_total_norm`` on every distinct gradient
 materialised (``full_tensor()``, every rank's own values gathered), within 8 float32 ULP as in
-test_ownership.py, the same bits on every rank, in one collective once its layout is verified.
+test_ownership.py, the same bits on every rank, in one collective over the world once its layout
+is verified (after one within ep where the dense shards' copies meet there).
 For models of their own (``per_rank=True``) the oracle is torch's norm of the rank's own
 gradients, bit for bit, with no collective.
 
@@ -45,6 +46,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel
+from world_layouts import WireRecorder
 
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.demo._model import (
@@ -233,7 +235,7 @@ def _refused_then_declared(name: str, check: bool) -> dict[str, Any]:
         case.call(**case.mistaken, check=check)
     unchanged = all(torch.equal(b, local_bytes(g)) for b, g in zip(before, grads, strict=True))
     case.call(**case.corrected)  # the first call for the declared layout verifies it
-    with CommDebugMode() as comm:
+    with WireRecorder() as wire:
         norm = case.call(**case.corrected)
     reference = torch.nn.utils.get_total_norm(case.oracle, 2.0)
     return {
@@ -242,8 +244,19 @@ def _refused_then_declared(name: str, check: bool) -> dict[str, Any]:
         "unchanged": unchanged,
         "ulps": ulp_distance(torch.as_tensor(norm), reference),
         "same_bits": same_bits_everywhere(torch.as_tensor(norm)),
-        "collectives": comm.get_total_counts(),
+        "collectives": wire.groups,
     }
+
+
+# A corrected call's collectives once its layout is verified, by the size of their process group:
+# the world's one all_reduce; where the dense parameters are sharded over dp of a (dp, ep) mesh,
+# after one within ep, where their copies meet (the experts, declared, have none).
+WIRE = {
+    "plain experts without distinct_along": [WORLD],
+    "DTensor experts on a mesh without ep": [2, WORLD],
+    "equal stages without pp_group": [WORLD],
+    "experts inside pipeline stages": [WORLD],
+}
 
 
 @pytest.mark.parametrize("check", [False, True], ids=["first call", "check mode"])
@@ -260,7 +273,7 @@ def test_copies_that_differ_raise_on_every_rank_until_declared(ranks, name, chec
         assert result["unchanged"], f"rank {rank}: a gradient changed"
         assert result["ulps"] <= TOLERANCE_ULP, f"rank {rank}: {result['ulps']} ULP off"
         assert result["same_bits"]
-        assert result["collectives"] == 1
+        assert result["collectives"] == WIRE[name], f"rank {rank}: {result['collectives']}"
 
 
 # --- models of their own, and copies with equal norms -------------------------------------------

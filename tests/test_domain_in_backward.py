@@ -11,7 +11,7 @@ operations to the same values: the data-parallel reduction (FSDP2's reduce-scatt
 divide-then-sum) leaves the same local values, then one sum over the two domain ranks (correctly
 rounded whatever the order) and one division by 2 (exact). Domain traffic is counted by group
 across every thread (DDP's comm hook runs its callbacks on the backend's thread), all
-collectives by CommDebugMode.
+collectives by CommDebugMode; the clip's by the size of their process group.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
+from world_layouts import WireRecorder
 
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.grad_sync import (
@@ -145,13 +146,13 @@ def _check_against_explicit(modes: _Modes) -> dict[str, object]:
     same = _same_bits(_local_grads(explicit), _local_grads(ours))
     total_grad_norm([p.grad for p in explicit.parameters() if p.grad is not None])  # layout seen
     explicit_norm = clip_grad_norm_(explicit.parameters(), 0.1)
-    with CommDebugMode() as mode:
+    with WireRecorder() as wire:
         our_norm = clip_grad_norm_(ours.parameters(), 0.1)
     return {
         "same_bits": same,
         "traffic": traffic,
         "explicit_after": explicit_after,
-        "clip_collectives": mode.get_total_counts(),
+        "clip_collectives": wire.groups,
         "same_norm": bool(torch.equal(explicit_norm, our_norm)),
         "clipped_same_bits": _same_bits(_local_grads(explicit), _local_grads(ours)),
         "twice": _error(lambda: sync_domain_gradients(ours, domain)),
@@ -302,7 +303,10 @@ def _not_root_body() -> str:
 # tests
 
 
-def _check(results: list[dict[str, object]], kind: str, in_backward: list[int]) -> None:
+def _check(
+    results: list[dict[str, object]], kind: str, in_backward: list[int], clip: list[int]
+) -> None:
+    """``clip``: the size of the process group of each collective of the clip, in order."""
     for rank, result in enumerate(results):
         assert result["kind"] == kind
         assert result["same_bits"], f"rank {rank}: grads differ from the explicit path"
@@ -311,7 +315,7 @@ def _check(results: list[dict[str, object]], kind: str, in_backward: list[int]) 
         # What the explicit path still runs after backward (one bucket; a first call for a
         # layout may check it first); the in-backward path runs nothing there.
         assert result["explicit_after"] >= 1
-        assert result["clip_collectives"] == 1  # the clip's one, plain replicas included
+        assert result["clip_collectives"] == clip, rank
         assert result["same_norm"] and result["clipped_same_bits"], rank
         assert "averaged over the domain group inside backward already" in str(result["twice"])
         assert "averaged over the domain group inside backward already" in str(
@@ -326,21 +330,27 @@ def test_fsdp2_averages_inside_backward_with_the_explicit_bits(ranks) -> None:
     results = ranks.run(4, _fsdp_body, False)
     units = results[0]["units"]
     assert units == 3  # two blocks and the root: one domain all_reduce each, in backward
-    _check(results, "fsdp2", [0, units])
+    # The clip: the dp mesh's shards' copies on their domain peers compared within domain, then
+    # the world's one all_reduce.
+    _check(results, "fsdp2", [0, units], [2, 4])
 
 
 def test_fsdp2_with_tp_averages_inside_backward_with_the_explicit_bits(ranks) -> None:
     results = ranks.run(8, _fsdp_body, True)
-    _check(results, "fsdp2", [0, results[0]["units"]])
+    # The clip: the copies compared within tp and within domain (the rowwise biases replicated
+    # on tp; the (dp, tp) shards on their domain peers; the dp mesh's shards on their tp and
+    # domain peers), then the world's one all_reduce.
+    _check(results, "fsdp2", [0, results[0]["units"]], [2, 2, 8])
 
 
 def test_ddp_averages_inside_backward_with_the_explicit_bits(ranks) -> None:
-    # TinyNet's 24 grads fit one DDP bucket: one domain all_reduce in the comm hook.
-    _check(ranks.run(4, _ddp_body), "ddp", [0, 1])
+    # TinyNet's 24 grads fit one DDP bucket: one domain all_reduce in the comm hook. The clip:
+    # the world's one all_reduce, plain replicas included.
+    _check(ranks.run(4, _ddp_body), "ddp", [0, 1], [4])
 
 
 def test_plain_model_averages_at_the_end_of_backward_with_the_explicit_bits(ranks) -> None:
-    _check(ranks.run(2, _plain_body), "plain", [0, 1])
+    _check(ranks.run(2, _plain_body), "plain", [0, 1], [2])
 
 
 def test_a_failed_backward_does_not_stop_later_averages(ranks) -> None:

@@ -3,9 +3,11 @@
 A layout's plan (its weights, its copy counts) is built once and kept, and the first call for it
 proves the copies with full fingerprints. What a later call passes may still be other tensors of
 the same shapes: a second model, replicas that drifted, a NaN on one rank. Every call therefore
-compares the copies' local norms inside its one all_reduce; copies that differ make the norm NaN
-on every rank and, where reading is free (here, on the CPU) or the caller reads anyway
-(``error_if_nonfinite``), raise the named ValueError on every rank before any gradient changes.
+compares the copies' local norms, in the process groups where they meet (tp, HSDP's replicas:
+one all_reduce each, whose verdict rides on the world's as a flag) or else inside the world's one
+all_reduce; copies that differ make the norm NaN on every rank and, where reading is free (here,
+on the CPU) or the caller reads anyway (``error_if_nonfinite``), raise the named ValueError on
+every rank before any gradient changes.
 
 Each case runs on real gloo ranks, with real FSDP2 and DTensors: it first proves a layout with
 legitimate copies, then hands the norm tensors of the same shapes that are not copies, and

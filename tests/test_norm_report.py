@@ -1,4 +1,4 @@
-"""grad_norm_report: per-group norms and the total, from one collective, on real layouts.
+"""grad_norm_report: per-group norms and the total, from the norm's collectives, on real layouts.
 
 Oracle: torch.nn.utils.get_total_norm on each group's full_tensor() gradients, with the groups
 decided independently of the library (by parameter name, from the known TP plan and wrapping of
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from layouts import ulp_distance as _ulp_distance
 from test_pipeline import all_stages, build_pipeline
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
+from world_layouts import WireRecorder
 
 from credit.parallel.collectives import total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
@@ -81,32 +82,40 @@ def _report_on_layout(layout: str, grouping: str) -> list[tuple[Any, ...]]:
     grad_norm_report(model.named_parameters(), group_by=group_by)  # the layout's first call
     results = []
     for norm_type in NORM_TYPES:
-        with CommDebugMode() as comm:
+        with WireRecorder() as wire:
             report = grad_norm_report(model.named_parameters(), norm_type, group_by=group_by)
         total = float(total_grad_norm([p.grad for _, p in model.named_parameters()], norm_type))
         reference = _reference(named, label, norm_type)
-        results.append((norm_type, report, reference, total, comm.get_total_counts()))
+        results.append((norm_type, report, reference, total, wire.groups))
     return results
 
 
-def check_reports(per_rank: list[list[tuple[Any, ...]]], collectives: int) -> None:
-    """Every rank got the same report, each value within tolerance, from ``collectives`` calls."""
+def check_reports(
+    per_rank: list[list[tuple[Any, ...]]], collectives: Callable[[float], list[int]]
+) -> None:
+    """Every rank got the same report, each value within tolerance, from collectives on process
+    groups of the sizes ``collectives(norm_type)`` lists, in order."""
     for rank_results in per_rank:
-        for norm_type, report, reference, total, count in rank_results:
+        for norm_type, report, reference, total, groups in rank_results:
             assert report == per_rank[0][NORM_TYPES.index(norm_type)][1], "ranks disagree"
             assert set(report) == set(reference), report
             for group, value in report.items():
                 distance = ulps(value, reference[group])
                 assert distance <= TOLERANCE_ULP, f"p={norm_type} {group}: {distance} ULP off"
             assert ulps(report["total"], total) <= TOLERANCE_ULP, (report["total"], total)
-            assert count == collectives, f"p={norm_type}: {count} collectives"
+            expected = collectives(norm_type)
+            assert groups == expected, f"p={norm_type}: collectives on groups {groups}"
 
 
 @pytest.mark.parametrize("layout", ["fsdp_tp", "tp"])
 @pytest.mark.parametrize("grouping", ["layout", "block"])
 def test_report_matches_materialised_groups(ranks, layout, grouping):
     per_rank = ranks.run(4, _report_on_layout, layout, grouping)
-    check_reports(per_rank, collectives=1)
+    # FSDP2 + TP on (dp=2, tp=2): the copies (the rowwise biases replicated on tp, the dp mesh's
+    # shards on their tp peers) compared within tp, then the world's one all_reduce; the inf norm
+    # compares nothing. TP over the world: its copies span the world, compared in its all_reduce.
+    in_groups = [2] if layout == "fsdp_tp" else []
+    check_reports(per_rank, lambda p: [4] if p == math.inf else [*in_groups, 4])
     report = per_rank[0][0][1]
     if grouping == "layout":
         other = "fsdp" if layout == "fsdp_tp" else "replicated"
@@ -131,29 +140,30 @@ def _report_on_pipeline(layout: str, grouping: str) -> list[tuple[Any, ...]]:
     grad_norm_report(model.named_parameters(), **kwargs)  # the layout's first call verifies it
     results = []
     for norm_type in NORM_TYPES:
-        with CommDebugMode() as comm:
+        with WireRecorder() as wire:
             report = grad_norm_report(model.named_parameters(), norm_type, **kwargs)
         grads = [p.grad for _, p in model.named_parameters()]
         total = float(total_grad_norm(grads, norm_type, pp_group=pp_group))
-        results.append((norm_type, report, _reference(named, label, norm_type), total, comm))
-    return [(*r[:4], r[4].get_total_counts()) for r in results]
+        results.append((norm_type, report, _reference(named, label, norm_type), total, wire))
+    return [(*r[:4], r[4].groups) for r in results]
 
 
-# Collectives once the layout is verified: one all_reduce, whatever the stages' meshes; the names
-# of group_by's groups are first gathered over pp_group unless passed as ``groups``
+# Collectives once the layout is verified, by the size of their process group: the world's one
+# all_reduce, whatever the stages' meshes (FSDP2 over each stage's dp: no copies); the names of
+# group_by's groups are first gathered over pp_group (2 ranks) unless passed as ``groups``
 # (all_gather_object: an all_gather of sizes, then of the pickled names).
 @pytest.mark.parametrize(
     ("layout", "grouping", "collectives"),
     [
-        ("pp_dp", "layout", 1),
-        ("pp_dp", "block_named", 1),
-        ("pp_dp", "block", 3),
-        ("pp_meshes", "block_named", 1),
+        ("pp_dp", "layout", [4]),
+        ("pp_dp", "block_named", [4]),
+        ("pp_dp", "block", [2, 2, 4]),
+        ("pp_meshes", "block_named", [4]),
     ],
 )
 def test_report_covers_every_stage(ranks, layout, grouping, collectives):
     per_rank = ranks.run(4, _report_on_pipeline, layout, grouping)
-    check_reports(per_rank, collectives)
+    check_reports(per_rank, lambda p: collectives)
     expected = ["fsdp", "total"] if grouping == "layout" else [*STAGE_GROUPS, "total"]
     assert list(per_rank[0][0][1]) == expected
 

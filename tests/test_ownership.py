@@ -13,8 +13,10 @@ every expert-parallel rank's experts, gathered). Tolerance 8 float32 ULP: each c
 contributes ``1 / copies`` of its p-th power, so the sums run in another order than the oracle's
 and the weights of copies that are not a power of two round once; a copy counted twice or missed
 is off by far more (checked: the unflattened layouts were 20% off before rank maps decided the
-copies). Every rank must get the same bits, in one collective per call once the layout is known
-(two with Partial gradients, whose addends are summed first).
+copies). Every rank must get the same bits, in one collective over the world per call once the
+layout is known (two with Partial gradients, whose addends are summed first), after one
+all_reduce within each process group where copies of a shard meet (tp, HSDP's replicas; none for
+the inf norm, which compares nothing).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+from world_layouts import WireRecorder
 
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 
@@ -59,13 +61,23 @@ class Case:
         model: the module whose parameters carry the gradients.
         oracle: every distinct gradient materialised (the same list on every rank).
         distinct_along: the argument that declares rank-local gradients, if any.
-        collectives: collectives per norm call once the layout is known.
+        partial: the sizes of the process groups over which Partial gradients are summed, one
+            all_reduce each, first.
+        copy_groups: the sizes of the process groups in which the copies of shards are compared,
+            one all_reduce each, before the world's one (none for the inf norm).
     """
 
     model: nn.Module
     oracle: list[Tensor]
     distinct_along: list[tuple[Any, Any]] | None = None
-    collectives: int = 1
+    partial: tuple[int, ...] = ()
+    copy_groups: tuple[int, ...] = ()
+
+    def wire(self, norm_type: float) -> list[int]:
+        """The size of the process group of each collective a norm call issues once the layout
+        is known, in order: the Partial sums, the copies' groups, then the world's."""
+        groups = () if norm_type == math.inf else self.copy_groups
+        return [*self.partial, *groups, dist.get_world_size()]
 
 
 # --- constructions ------------------------------------------------------------------------------
@@ -135,7 +147,11 @@ def _fsdp_tp(dp: DeviceMesh, tp: DeviceMesh) -> Case:
     fully_shard(model, mesh=dp)
     dp_rank, dp_size = dp.get_local_rank(), dp.size()
     run_step(model, 0, dp_rank, dp_size)
-    return Case(model, full_grads(model))
+    # The rowwise biases replicated on tp: compared within tp; so are the copies of the dp
+    # mesh's shards on their tp peers where dp was sliced from a mesh with a tp dim (flattened).
+    # An unflattened view's root is the 1-D world, with no such dim: there those copies ride in
+    # the world's all_reduce.
+    return Case(model, full_grads(model), copy_groups=(tp.size(),))
 
 
 def _shard_per_block(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -157,7 +173,9 @@ def unflattened_fsdp_tp() -> Case:
 
 
 def unflattened_fsdp() -> Case:
-    """FSDP2 alone on the dense view's dp dim: the tp peers hold identical copies."""
+    """FSDP2 alone on the dense view's dp dim: the tp peers hold identical copies. The view's
+    root is the 1-D world, whose dim is no group of copies: they are compared in the world's
+    all_reduce."""
     return _fsdp_alone(dense_view()["dp"])
 
 
@@ -175,11 +193,12 @@ def equal_meshes_fsdp_tp() -> Case:
         fully_shard(block, mesh=world["dp"])
     fully_shard(model, mesh=second["dp"])
     run_step(model, 0, first["dp"].get_local_rank(), first["dp"].size())
-    return Case(model, full_grads(model))
+    return Case(model, full_grads(model), copy_groups=(2,))  # within tp, as _fsdp_tp
 
 
 def half_world_fsdp() -> Case:
-    """FSDP2 on a mesh over half the world; both halves see the same batches."""
+    """FSDP2 on a mesh over half the world; both halves see the same batches. No group this
+    rank holds joins the two halves' copies: they are compared in the world's all_reduce."""
     return _fsdp_alone(half_of_the_world())
 
 
@@ -188,11 +207,13 @@ def sliced_hsdp() -> Case:
     model = _model()
     _shard_per_block(model, world)
     run_step(model, 0, dist.get_rank(), dist.get_world_size())
-    return Case(model, full_grads(model))
+    # The copies along the replicate dim are compared within it.
+    return Case(model, full_grads(model), copy_groups=(world["replicate"].size(),))
 
 
 def sliced_tp() -> Case:
-    """TP on block 0 only: DTensor gradients beside plain ones, every rank the same batch."""
+    """TP on block 0 only: DTensor gradients beside plain ones, every rank the same batch. The
+    copies span the world: they are compared in the world's all_reduce."""
     model = _model()
     parallelize_module(model.blocks[0], mesh((dist.get_world_size(),), ("tp",)), TP_PLAN)
     run_step(model, 0, 0, 1)
@@ -222,7 +243,8 @@ def sliced_sequence_parallel() -> Case:
     sequence = torch.randn(2, 2 * tp.size(), DIM, generator=torch.Generator().manual_seed(1))
     model(sequence.chunk(tp.size(), dim=1)[tp.get_local_rank()]).pow(2).mean().backward()
     assert all(p.grad.placements[0].is_partial() for p in model.norm.parameters())
-    return Case(model, full_grads(model), collectives=2)
+    # The Partial addends summed over tp (the world) first; the copies span the world.
+    return Case(model, full_grads(model), partial=(tp.size(),))
 
 
 EXPERTS, EXPERT_DIM = 2, 4  # experts per expert-parallel rank
@@ -290,7 +312,7 @@ def _norms_against_the_oracle(build: Callable[[], Case], norm_types: tuple[float
     total_grad_norm(grads(case.model), 2.0, **kwargs)  # the layout's first call verifies it
     results = []
     for norm_type in norm_types:
-        with CommDebugMode() as comm:
+        with WireRecorder() as wire:
             ours = total_grad_norm(grads(case.model), norm_type, **kwargs)
         reference = torch.nn.utils.get_total_norm(case.oracle, norm_type)
         results.append(
@@ -298,18 +320,17 @@ def _norms_against_the_oracle(build: Callable[[], Case], norm_types: tuple[float
                 norm_type,
                 ulp_distance(ours, reference),
                 same_bits_everywhere(ours),
-                comm.get_total_counts(),
-                case.collectives,
+                wire.groups,
+                case.wire(norm_type),
             )
         )
     # The clip scales every gradient by the coefficient of that same norm.
     reference = torch.nn.utils.get_total_norm(case.oracle, 2.0)
     before = [g.clone() for g in full_grads(case.model)]
     max_norm = float(reference) / 4
-    with CommDebugMode() as comm:
+    with WireRecorder() as wire:
         total = clip_grad_norm_(params, max_norm, **kwargs)
-    counts = comm.get_total_counts()
-    results.append(("clip", ulp_distance(total, reference), True, counts, case.collectives))
+    results.append(("clip", ulp_distance(total, reference), True, wire.groups, case.wire(2.0)))
     coefficient = max_norm / (float(total) + 1e-6)
     for old, new in zip(before, full_grads(case.model), strict=True):
         # One float32 rounding of the product: within 2e-6 relative.
@@ -324,8 +345,9 @@ def _norms_against_the_oracle(build: Callable[[], Case], norm_types: tuple[float
 )
 def test_norm_matches_the_materialised_gradients(ranks, build, world, norm_types):
     for rank, results in enumerate(ranks.run(world, _norms_against_the_oracle, build, norm_types)):
-        for norm_type, ulps, same_bits, collectives, expected in results:
+        for norm_type, ulps, same_bits, groups, expected in results:
             label = f"rank {rank} p={norm_type}"
             assert ulps <= TOLERANCE_ULP, f"{label}: {ulps} ULP from the materialised norm"
             assert same_bits, f"{label}: ranks disagree"
-            assert collectives == expected, f"{label}: {collectives} collectives"
+            # The size of each collective's process group: the world's all_reduce once.
+            assert groups == expected, f"{label}: collectives on groups {groups}, not {expected}"

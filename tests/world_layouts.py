@@ -245,6 +245,8 @@ def start_world(world: int, rank: int = 0) -> None:
 # The schema argument that holds what a rank sends, in the order looked for.
 _SENT = ("input_tensors", "input_tensor", "input", "inputs", "tensors", "tensor", "self")
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+# Operators of those namespaces that send nothing: waits, and the autograd wrapper of a result.
+_NOT_SENT = ("wait", "_wrap_tensor_autograd")
 
 
 @dataclass(frozen=True)
@@ -309,10 +311,21 @@ class WireRecorder(TorchDispatchMode):
         super().__init__()
         self.collectives: list[Collective] = []
 
+    @property
+    def groups(self) -> list[int]:
+        """The size of each recorded collective's process group, in order."""
+        return [c.group for c in self.collectives]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):  # no schema, no collective
+            return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            # Let DTensor run first: the collectives it desugars into come back here, as in
+            # CommDebugMode (a mode sees an op before its tensor subclasses do).
+            return NotImplemented
         kwargs = kwargs or {}
         name = func._schema.name
-        if name.split("::")[0] in _NAMESPACES and "wait" not in name:
+        if name.split("::")[0] in _NAMESPACES and not any(w in name for w in _NOT_SENT):
             self.collectives.append(_collective(func, args, kwargs))
         return func(*args, **kwargs)
 
