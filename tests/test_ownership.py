@@ -148,9 +148,8 @@ def _fsdp_tp(dp: DeviceMesh, tp: DeviceMesh) -> Case:
     dp_rank, dp_size = dp.get_local_rank(), dp.size()
     run_step(model, 0, dp_rank, dp_size)
     # The rowwise biases replicated on tp: compared within tp; so are the copies of the dp
-    # mesh's shards on their tp peers where dp was sliced from a mesh with a tp dim (flattened).
-    # An unflattened view's root is the 1-D world, with no such dim: there those copies ride in
-    # the world's all_reduce.
+    # mesh's shards on their tp peers, through the tp dim of the mesh dp was sliced from, or of
+    # the tp mesh (an unflattened view's root is the 1-D world, with no such dim).
     return Case(model, full_grads(model), copy_groups=(tp.size(),))
 
 

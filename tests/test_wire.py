@@ -28,7 +28,9 @@ from world_layouts import MODELS, Collective, describe, wire_in_fake_world
 MODEL = "4-layer"
 GRADIENTS = MODELS[MODEL].gradients
 LARGE, SMALL = 1024, 128
-LAYOUTS = ("fsdp-tp", "hsdp-tp", "hsdp-tp-8", "pipeline", "experts")
+# The unflattened views first: equal meshes built earlier in the process would lend them their
+# holdings (kept per mesh and placements), and with them the earlier meshes' roots.
+LAYOUTS = ("fsdp-tp-unflattened", "fsdp-tp", "hsdp-tp", "hsdp-tp-8", "pipeline", "experts")
 WORLDS = {"first": (LARGE, 0), "last": (LARGE, LARGE - 1), "small": (SMALL, 0)}
 STEADY = ("total_grad_norm", "clip_grad_norm_")
 # No collective carries more than this many numbers: 16 a gradient of the model, and a few.
@@ -39,6 +41,7 @@ BOUND = 16 * GRADIENTS + 64
 # then the world's one all_reduce. Experts have no copies: the world's alone.
 STEADY_GROUPS = {
     "fsdp-tp": [8, LARGE],
+    "fsdp-tp-unflattened": [8, LARGE],
     "hsdp-tp": [2, 8, LARGE],
     "hsdp-tp-8": [16, 8, LARGE],
     "pipeline": [8, LARGE],
@@ -47,11 +50,19 @@ STEADY_GROUPS = {
 # A first call proves the layout before the norm: the self-check over the world, the copies in
 # their groups, one all_reduce of three flags (none of the two last without copies). Under
 # pipeline stages, once per pp group, the stages' lowest ranks first, and the proof after the norm.
-FIRST_CALL = {"fsdp-tp": 5, "hsdp-tp": 7, "hsdp-tp-8": 7, "pipeline": 6, "experts": 2}
+FIRST_CALL = {
+    "fsdp-tp": 5,
+    "fsdp-tp-unflattened": 5,
+    "hsdp-tp": 7,
+    "hsdp-tp-8": 7,
+    "pipeline": 6,
+    "experts": 2,
+}
 
 # (layout at 1,024 ranks, the same layout at 128): the world grows along the dim named.
 GROWTH = {
     "fsdp-tp, dp": ("fsdp-tp", "fsdp-tp"),
+    "fsdp-tp unflattened, dp": ("fsdp-tp-unflattened", "fsdp-tp-unflattened"),
     "hsdp-tp, replicas": ("hsdp-tp-8", "hsdp-tp-8"),
     "hsdp-tp, shard group": ("hsdp-tp", "hsdp-tp-8"),
     "pipeline, dp": ("pipeline", "pipeline"),

@@ -11,6 +11,9 @@ for a Llama-like model (the global shapes of Llama 3 8B or 70B, local shards of
   torchtitan's ColwiseParallel shards them) on ``(Shard(0), Shard(0))``; rowwise ones (wo, w2) on
   ``(Shard(0), Shard(1))``; the token embedding (RowwiseParallel of an Embedding shards its rows)
   on ``(Shard(0), Shard(0))``; the RMSNorm weights on ``(Shard(0), Replicate())``.
+- ``fsdp-tp-unflattened``: torchtitan's construction, (dp, tp=8) views unflattened from a 1-D
+  world, the RMSNorm weights left out of the TP plan (dp-sharded on the 1-D dp view: their copies
+  are their tp peers, whose group only the other gradients' 2-D view holds).
 - ``hsdp-tp``: a (rep, shard=64, tp=8) mesh, the same placements with ``Replicate()`` prepended
   (``hsdp-tp-8``: a shard group of 8, so that small worlds fit).
 - ``pipeline``: a (pp=4, dp, tp=8) mesh, ``pp_group`` its pp dim; each stage holds a quarter of
@@ -172,10 +175,25 @@ def _fsdp_tp(
     return [shard(p, mesh, [*prefix, Shard(0), p.tp], seed=i) for i, p in enumerate(params)]
 
 
+def _norms_on_dp(params: list[Param], found: dict[str, DeviceMesh]) -> list[Tensor]:
+    """torchtitan's construction, views unflattened from a 1-D world, with the RMSNorm weights
+    left out of the TP plan: FSDP2 shards them on the 1-D dp view, their copies on tp peers."""
+    return [
+        shard(p, found["dp"], [Shard(0)], seed=i)
+        if isinstance(p.tp, Replicate)
+        else shard(p, found["dp_tp"], [Shard(0), p.tp], seed=i)
+        for i, p in enumerate(params)
+    ]
+
+
 def build_meshes(layout: str, world: int) -> Meshes:
     """The meshes of ``layout`` (one of :data:`LAYOUTS`) in a world of ``world`` ranks."""
     if layout == "fsdp-tp":
         return Meshes(layout, {"dp_tp": _mesh((world // TP, TP), ("dp", "tp"))})
+    if layout == "fsdp-tp-unflattened":
+        world_1d = _mesh((world,), ("world",))
+        dp_tp = world_1d._unflatten(0, (world // TP, TP), ("dp", "tp"))
+        return Meshes(layout, {"dp_tp": dp_tp, "dp": dp_tp["dp"]})
     if layout.startswith("hsdp-tp"):
         group = HSDP_SHARD[layout]
         sizes = (world // (group * TP), group, TP)
@@ -201,6 +219,8 @@ def build_layout(meshes: Meshes, model: Model, variant: int = 0) -> Layout:
     found, layout = meshes.meshes, meshes.layout
     if layout == "fsdp-tp":
         return _with_params(_fsdp_tp(model_params(model, variant), found["dp_tp"]))
+    if layout == "fsdp-tp-unflattened":
+        return _with_params(_norms_on_dp(model_params(model, variant), found))
     if layout.startswith("hsdp-tp"):
         return _with_params(_fsdp_tp(model_params(model, variant), found["hsdp"], [Replicate()]))
     if layout == "pipeline":
@@ -219,7 +239,7 @@ def build_layout(meshes: Meshes, model: Model, variant: int = 0) -> Layout:
 
 
 HSDP_SHARD = {"hsdp-tp": 64, "hsdp-tp-8": 8}
-LAYOUTS = ("fsdp-tp", "hsdp-tp", "hsdp-tp-8", "pipeline", "experts")
+LAYOUTS = ("fsdp-tp", "fsdp-tp-unflattened", "hsdp-tp", "hsdp-tp-8", "pipeline", "experts")
 
 
 def fixed_ranks(layout: str) -> int:
@@ -227,7 +247,9 @@ def fixed_ranks(layout: str) -> int:
     (the data-parallel dim, or HSDP's replicas, of size 2 or more)."""
     if layout.startswith("hsdp-tp"):
         return HSDP_SHARD[layout] * TP
-    return {"fsdp-tp": TP, "pipeline": STAGES * TP, "experts": EP}[layout]
+    return {"fsdp-tp": TP, "fsdp-tp-unflattened": TP, "pipeline": STAGES * TP, "experts": EP}[
+        layout
+    ]
 
 
 def fits(layout: str, world: int) -> bool:

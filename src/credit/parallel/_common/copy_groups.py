@@ -30,23 +30,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from credit.parallel._common.compat import root_mesh
 from credit.parallel._common.ownership import Holding, Stages, copies, copy_slot, layout_error
 
-# The meshes searched for a gradient's copies: its own mesh's root and those of the call's other
-# gradients, at most this many.
-_MAX_MESHES = 8
+# The meshes searched for a gradient's copies (the call's meshes and their roots), at most this
+# many: a model's gradients lie on a few meshes.
+_MAX_MESHES = 16
 
 
 def candidate_meshes(held: Sequence[Holding]) -> list[DeviceMesh]:
-    """The meshes whose dim groups may join a gradient's copies: the root of each gradient's
-    mesh, in the order the gradients first name them (the same on every rank of a stage)."""
+    """The meshes whose dim groups may join a gradient's copies: each gradient's mesh and the
+    mesh it was sliced from (a view unflattened from a 1-D world has the dims its root lacks),
+    in the order the gradients first name them (the same on every rank of a stage)."""
     found: list[DeviceMesh] = []
     for h in held:
         if h.mesh is None:
             continue
-        root = root_mesh(h.mesh)
-        if all(root is not other for other in found):
-            found.append(root)
-        if len(found) == _MAX_MESHES:
-            break
+        for mesh in (h.mesh, root_mesh(h.mesh)):
+            if len(found) < _MAX_MESHES and all(mesh is not other for other in found):
+                found.append(mesh)
     return found
 
 
@@ -120,7 +119,7 @@ def _grid(mesh: DeviceMesh, dims: tuple[int, ...]) -> list[int]:
     group, several dims' from the rank map."""
     if len(dims) == 1:
         return dist.get_process_group_ranks(mesh.get_group(dims[0]))
-    coordinate = mesh.get_coordinate() or []
+    coordinate = list(mesh.get_coordinate() or ())
     index = tuple(slice(None) if d in dims else c for d, c in enumerate(coordinate))
     return mesh.mesh[index].flatten().tolist()
 
