@@ -131,8 +131,9 @@ def _other_shards_in_a_group() -> dict:
     """A dp mesh built directly, in reverse order on the second tp column: rank 3 holds shard 0
     and rank 1 shard 1, so the tp group {0, 1} of the (dp, tp) mesh holds shards 0 and 1."""
     world = mesh((2, 2), ("dp", "tp"))
-    column = [0, 2] if dist.get_rank() in (0, 2) else [3, 1]
-    dp = DeviceMesh("cpu", torch.tensor(column), mesh_dim_names=("dp",))
+    # Every rank builds both (their process groups are made by all ranks, in order).
+    columns = [DeviceMesh("cpu", torch.tensor(c), mesh_dim_names=("dp",)) for c in ([0, 2], [3, 1])]
+    dp = next(column for column in columns if column.get_coordinate() is not None)
     on_tp = distribute_tensor(torch.ones(4, 8), world, [Shard(0), Replicate()])
     coordinate = dp.get_coordinate()
     assert coordinate is not None

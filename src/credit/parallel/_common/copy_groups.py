@@ -24,10 +24,12 @@ import math
 from collections.abc import Sequence
 
 import torch.distributed as dist
+from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from credit.parallel._common.compat import root_mesh
+from credit.parallel._common.compat import dtensor_spec, root_mesh
 from credit.parallel._common.ownership import Holding, Stages, copies, copy_slot, layout_error
 
 # The meshes searched for a gradient's copies (the call's meshes and their roots), at most this
@@ -35,17 +37,19 @@ from credit.parallel._common.ownership import Holding, Stages, copies, copy_slot
 _MAX_MESHES = 16
 
 
-def candidate_meshes(held: Sequence[Holding]) -> list[DeviceMesh]:
-    """The meshes whose dim groups may join a gradient's copies: each gradient's mesh and the
-    mesh it was sliced from (a view unflattened from a 1-D world has the dims its root lacks),
-    in the order the gradients first name them (the same on every rank of a stage)."""
+def candidate_meshes(grads: Sequence[Tensor]) -> list[DeviceMesh]:
+    """The meshes whose dim groups may join a gradient's copies: each DTensor gradient's mesh
+    and the mesh it was sliced from (a view unflattened from a 1-D world has the dims its root
+    lacks), in the order the gradients first name them: the call's own, the same on every rank
+    of a stage."""
     found: list[DeviceMesh] = []
-    for h in held:
-        if h.mesh is None:
+    for grad in grads:
+        if not isinstance(grad, DTensor):
             continue
-        for mesh in (h.mesh, root_mesh(h.mesh)):
-            if len(found) < _MAX_MESHES and all(mesh is not other for other in found):
-                found.append(mesh)
+        mesh = dtensor_spec(grad).mesh
+        for candidate in (mesh, root_mesh(mesh)):
+            if len(found) < _MAX_MESHES and all(candidate is not other for other in found):
+                found.append(candidate)
     return found
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from credit.parallel._common import copy_groups as _copy_groups
 from credit.parallel._common import ownership as _ownership
@@ -161,7 +162,7 @@ def planned(request: NormRequest) -> NormPlan:
             f"per_rank={request.per_rank}",
             stage=(at.index, at.count),
         )
-    plan = _plan_of(held, request.local, at, lowest, request.distinct, device)
+    plan = _plan_of(held, request.grads, request.local, at, lowest, request.distinct, device)
     if plan.kind is not Kind.REPLICAS and not request.norm_type > 0:
         raise ValueError(
             f"norm_type must be positive or inf for distributed grads, got {request.norm_type}"
@@ -171,6 +172,7 @@ def planned(request: NormRequest) -> NormPlan:
 
 def _plan_of(
     held: list[Holding],
+    grads: list[Tensor],
     local: list[Tensor],
     at: Stages,
     lowest: int,
@@ -181,6 +183,7 @@ def _plan_of(
 
     Args:
         held: what this rank holds of each gradient.
+        grads: the gradients.
         local: each gradient's local tensor.
         at: the pipeline stages.
         lowest: the lowest rank of this rank's stage.
@@ -190,13 +193,14 @@ def _plan_of(
     key = (tuple(map(id, held)), at, lowest, tuple(distinct) if distinct is not None else None)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan(held, local, at, lowest, distinct, device)
+        plan = _plan(held, grads, local, at, lowest, distinct, device)
         _plans.put(key, plan)
     return plan
 
 
 def _plan(
     held: list[Holding],
+    grads: list[Tensor],
     local: list[Tensor],
     at: Stages,
     lowest: int,
@@ -212,7 +216,7 @@ def _plan(
     stacked_weights = counts.weights
     if at.count > 1 and _plain_replicas(held, declared):  # the reference copy's norm
         stacked_weights = [float(dist.get_rank() == lowest)] * len(stacked_weights)
-    in_groups = _groups_of_copies(held, at, distinct)
+    in_groups = _groups_of_copies(held, _copy_groups.candidate_meshes(grads), at, distinct)
     slots = _copy_slots(held, at, distinct, stacking, in_groups)
     rows = _stage_rows(at, counts.coverage, error, slots, grads_dtype)
     weights, votes, checks, slot_counts, verification = _on_device([stacked_weights, *rows], device)
@@ -288,18 +292,24 @@ def _comparison(
 
 def _groups_of_copies(
     held: list[Holding],
+    meshes: list[DeviceMesh],
     at: Stages,
     distinct: list[frozenset[int] | None],
 ) -> list[tuple[ProcessGroup, ...] | None]:
-    """Per gradient, the process groups its copies are compared in (``copy_groups``), or None
-    where they take slots in the world's all_reduce; decided once per distinct holding."""
-    meshes = _copy_groups.candidate_meshes(held)
+    """Per gradient, the process groups its copies are compared in (``copy_groups``), found
+    among the call's ``meshes``, or None where they take slots in the world's all_reduce;
+    decided once per distinct holding, each group named by its ranks (equal groups of other
+    meshes are one round)."""
     decided: dict[tuple[int, frozenset[int] | None], tuple[ProcessGroup, ...] | None] = {}
+    by_ranks: dict[tuple[int, ...], ProcessGroup] = {}
     found = []
     for h, d in zip(held, distinct, strict=True):
         key = (id(h), d)
         if key not in decided:
-            decided[key] = _copy_groups.groups_of_copies(h, at, d, meshes)
+            groups = _copy_groups.groups_of_copies(h, at, d, meshes)
+            decided[key] = groups and tuple(
+                by_ranks.setdefault(tuple(dist.get_process_group_ranks(g)), g) for g in groups
+            )
         found.append(decided[key])
     return found
 
