@@ -200,7 +200,27 @@ def holding(grad: Tensor) -> Holding:
     return found
 
 
+# Holdings per list of layouts (a training loop passes a few lists), each entry with the specs
+# of its DTensors: keeping them alive keeps the ids in its key from being reused.
+_MAX_LISTS = 16
+_by_list: ScopedCache[tuple, tuple[tuple[Holding, ...], tuple[object, ...]]] = ScopedCache(
+    _MAX_LISTS
+)
+
+
 def holdings(grads: list[Tensor]) -> list[Holding]:
+    """:func:`holding` of each of ``grads``, kept per list: a list whose gradients have the
+    layouts of a list seen before costs one lookup. Its key is what :func:`holding` reads of each
+    gradient: a plain tensor's shape, dtype and device, a DTensor's spec object."""
+    key = tuple([id(dtensor_spec(g)) if isinstance(g, DTensor) else _plain_key(g) for g in grads])
+    entry = _by_list.get(key)
+    if entry is None:
+        specs = tuple(dtensor_spec(g) for g in grads if isinstance(g, DTensor))
+        entry = _by_list.put(key, (tuple(_holdings_of(grads)), specs))
+    return list(entry[0])
+
+
+def _holdings_of(grads: list[Tensor]) -> list[Holding]:
     """:func:`holding` of each of ``grads``: those seen before in one pass over each cache."""
     specs = [dtensor_spec(g) if isinstance(g, DTensor) else None for g in grads]
     by_spec = iter(_by_spec.get_many([id(spec) for spec in specs if spec is not None]))
