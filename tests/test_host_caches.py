@@ -82,6 +82,16 @@ def _holdings_follow_one_list() -> list[bool]:
     again = ownership.holdings(grads)  # the first layouts, other tensors: found, not rebuilt
     seen.append(_held(grads) == [_layout(g) for g in first_layouts])
     seen.append(all(a is b for a, b in zip(again, first, strict=True)))
+    # A list of DTensors only, each swapped for one of another placement, dtype or shape.
+    dtensors = [DTensor.from_local(_seeded(4, seed=s), line, [Shard(0)]) for s in range(2)]
+    seen.append(_held(dtensors) == [_layout(g) for g in dtensors])
+    for index, grad in [
+        (0, DTensor.from_local(_seeded(4), line, [Replicate()], run_check=False)),
+        (1, DTensor.from_local(_seeded(4, dtype=torch.float64), line, [Shard(0)])),
+        (1, DTensor.from_local(_seeded(2, 2), line, [Shard(0)])),
+    ]:
+        dtensors[index] = grad
+        seen.append(_held(dtensors) == [_layout(g) for g in dtensors])
     return seen
 
 
