@@ -34,6 +34,7 @@ DistinctAlong = Iterable[tuple[TensorOrTensors, GroupLike]]
 # the frames a warning skips to land on its caller's line.
 _PACKAGE = Path(__file__).resolve().parents[1]
 _DECORATOR = "torch.utils._contextlib"
+_NONE = type(None)
 
 
 def tensor_list(tensors: TensorOrTensors | Iterable[Tensor | None], argument: str) -> list[Tensor]:
@@ -45,12 +46,17 @@ def tensor_list(tensors: TensorOrTensors | Iterable[Tensor | None], argument: st
             f"{argument} must be a tensor or an iterable of tensors, got {type(tensors).__name__}"
         )
     items = list(tensors)
+    # The items' types first (one pass in C); the items are walked only to drop None entries or
+    # to name the first non-tensor.
+    kinds = set(map(type, items))
+    if all(kind is _NONE or issubclass(kind, Tensor) for kind in kinds):
+        return [item for item in items if item is not None] if _NONE in kinds else items
     for index, item in enumerate(items):
         if item is not None and not isinstance(item, Tensor):
             raise TypeError(
                 f"{argument}[{index}] is a {type(item).__name__}, expected a torch.Tensor"
             )
-    return [item for item in items if item is not None]
+    return [item for item in items if item is not None]  # an item whose __class__ is a tensor's
 
 
 def module_parameters(model_or_params: nn.Module | TensorOrTensors) -> list[Tensor]:
@@ -160,7 +166,26 @@ def grads_refusal(grads: list[Tensor], argument: str) -> tuple[type[Exception], 
     may differ across ranks (one rank's gradient left on the meta device): the check mode hands
     it to the other ranks (``layout_check.refuse_on_every_rank``).
     """
-    for index, grad in enumerate(map(local_tensor, grads)):
+    return local_refusal([local_tensor(grad) for grad in grads], argument)
+
+
+def local_refusal(local: list[Tensor], argument: str) -> tuple[type[Exception], str] | None:
+    """:func:`grads_refusal` of local tensors (plain tensors, or DTensors' shards).
+
+    The sets of layouts, dtypes and meta flags are read first, a set comprehension each (this
+    runs on every norm, over thousands of gradients); only a list that holds an offender is
+    walked again, to name the first.
+    """
+    layouts = {tensor.layout for tensor in local}
+    dtypes = {tensor.dtype for tensor in local}
+    meta = {tensor.is_meta for tensor in local}
+    if (
+        layouts <= {torch.strided}
+        and all(dtype.is_floating_point or dtype.is_complex for dtype in dtypes)
+        and True not in meta
+    ):
+        return None
+    for index, grad in enumerate(local):
         if grad.layout != torch.strided:
             return ValueError, (
                 f"{argument}[{index}] has layout {grad.layout}; only dense (strided) gradients "

@@ -25,7 +25,9 @@ one reference rank per stage.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -200,7 +202,43 @@ def holding(grad: Tensor) -> Holding:
     return found
 
 
+# Holdings per list of layouts (a training loop passes a few lists), each entry with the specs
+# of its DTensors: keeping them alive keeps the ids in its key from being reused.
+_MAX_LISTS = 16
+_by_list: ScopedCache[tuple, tuple[tuple[Holding, ...], tuple[object, ...]]] = ScopedCache(
+    _MAX_LISTS
+)
+
+
 def holdings(grads: list[Tensor]) -> list[Holding]:
+    """:func:`holding` of each of ``grads``, kept per list: a list whose gradients have the
+    layouts of a list seen before costs one lookup. Its key is what :func:`holding` reads of each
+    gradient: a plain tensor's shape, dtype and device, a DTensor's spec object."""
+    key = _list_key(grads)
+    entry = _by_list.get(key)
+    if entry is None:
+        specs = tuple(dtensor_spec(g) for g in grads if isinstance(g, DTensor))
+        entry = _by_list.put(key, (tuple(_holdings_of(grads)), specs))
+    return list(entry[0])
+
+
+def _list_key(grads: list[Tensor]) -> tuple:
+    """The key of :data:`_by_list`: each gradient's :func:`_plain_key` or its spec's id. A list
+    of plain tensors only, or of DTensors only (the usual lists), is read attribute by attribute
+    in C (``map``), without a Python call per gradient."""
+    kinds = set(map(type, grads))
+    dtensors = [issubclass(kind, DTensor) for kind in kinds]
+    if not any(dtensors):
+        return ("plain", *(tuple(map(read, grads)) for read in _PLAIN_KEY))
+    if all(dtensors):
+        return ("dtensor", tuple(map(id, map(dtensor_spec, cast(list[DTensor], grads)))))
+    return (
+        "mixed",
+        *(id(dtensor_spec(g)) if isinstance(g, DTensor) else _plain_key(g) for g in grads),
+    )
+
+
+def _holdings_of(grads: list[Tensor]) -> list[Holding]:
     """:func:`holding` of each of ``grads``: those seen before in one pass over each cache."""
     specs = [dtensor_spec(g) if isinstance(g, DTensor) else None for g in grads]
     by_spec = iter(_by_spec.get_many([id(spec) for spec in specs if spec is not None]))
@@ -217,8 +255,10 @@ def holdings(grads: list[Tensor]) -> list[Holding]:
     return found
 
 
-def _plain_key(grad: Tensor) -> tuple:
-    return (grad.shape, grad.dtype, grad.device)
+# What a plain tensor's holding is read from, and the key of :data:`_by_value` it gives.
+_PLAIN_ATTRIBUTES = ("shape", "dtype", "device")
+_plain_key = operator.attrgetter(*_PLAIN_ATTRIBUTES)
+_PLAIN_KEY = tuple(operator.attrgetter(name) for name in _PLAIN_ATTRIBUTES)
 
 
 def _plain_holding(grad: Tensor) -> Holding:

@@ -28,8 +28,10 @@ def scale_(
     if not local:
         return
     clip_coef_clamped = clip_coefficient(max_norm, total)
+    # One group of every tensor: the list as it is (each tensor is scaled alike, in any order).
+    whole = len(groups) == 1 and len(groups[0][1]) == len(local)
     for device, indices in groups:
-        device_grads = [local[i] for i in indices]
+        device_grads = local if whole else [local[i] for i in indices]
         coef = clip_coef_clamped.to(device)
         if use_foreach(foreach, device_grads, device):
             torch._foreach_mul_(device_grads, coef)

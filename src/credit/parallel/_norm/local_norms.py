@@ -68,7 +68,7 @@ def stacked_norms(local: list[Tensor], stacking: Stacking, request: NormRequest)
         return None
     norms: list[Tensor] = []
     for device, indices in stacking.groups:
-        tensors = [local[i] for i in indices]
+        tensors = local if stacking.whole else [local[i] for i in indices]
         empty = request.norm_type == math.inf and any(t.numel() == 0 for t in tensors)
         found = _norms_of([t for t in tensors if t.numel()] if empty else tensors, request, device)
         if empty:

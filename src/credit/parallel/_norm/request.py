@@ -30,7 +30,7 @@ from credit.parallel._common.inputs import (
     DistinctAlong,
     Parameters,
     distinct_groups,
-    grads_refusal,
+    local_refusal,
     parameter_label,
     parameter_list,
     warn_no_grads,
@@ -63,7 +63,7 @@ def norm_grads(
     """The gradients of a norm checked: their local tensors, the pipeline group resolved, and
     :func:`distinct_groups`.
 
-    A gradient no norm can take (:func:`grads_refusal`) raises on the ranks that hold it; with
+    A gradient no norm can take (:func:`local_refusal`) raises on the ranks that hold it; with
     ``on_every_rank`` (the check mode), every rank raises the refusal of the lowest rank that has
     one, before any other collective (one small all_reduce).
 
@@ -71,7 +71,7 @@ def norm_grads(
         TypeError, ValueError: as ``total_grad_norm`` documents.
     """
     local = [local_tensor(grad) for grad in grads]
-    refusal = grads_refusal(local, argument)
+    refusal = local_refusal(local, argument)
     if on_every_rank and not per_rank and not world_of_one():
         refuse_on_every_rank(refusal, collective_device([t for t in local if not t.is_meta]), what)
     elif refusal is not None:

@@ -32,11 +32,14 @@ class Stacking:
         groups: the input indices by (device, dtype), in torch's order, with the device.
         stacked: the input index of each stacked norm.
         device: where the stacked norms live.
+        whole: one group holds every tensor, in input order (the stacked order is the input
+            order: a call takes the input list as it is).
     """
 
     groups: list[tuple[torch.device, list[int]]]
     stacked: list[int]
     device: torch.device
+    whole: bool = False
     _indices: ScopedCache[Hashable, list[Tensor]] = field(
         default_factory=lambda: ScopedCache(_MAX_INDICES)
     )
@@ -92,4 +95,6 @@ def stacking_on(local: list[Tensor], device: torch.device) -> Stacking:
     if local:
         grouped = group_indices_by_device_and_dtype(local)
         groups = [(where, indices) for (where, _), indices in grouped.items()]
-    return Stacking(groups, [index for _, indices in groups for index in indices], device)
+    stacked = [index for _, indices in groups for index in indices]
+    whole = len(groups) == 1 and stacked == list(range(len(local)))
+    return Stacking(groups, stacked, device, whole)
