@@ -79,7 +79,7 @@ def groups_of_copies(
     inside = tuple(mesh.get_group(d) for d in held.replicate_dims if mesh.size(d) > 1)
     mesh_copies = at.size // len(held.mesh_ranks)
     if mesh_copies == 1:
-        return inside
+        return inside or None
     across = _across_mesh_copies(held.mesh_ranks, mesh_copies, at.pp_ranks, meshes)
     return None if across is None else inside + across
 

@@ -64,8 +64,9 @@ class Stages:
     pp_ranks: frozenset[int]
 
 
-# The stages per pipeline group's ranks (None: no pipeline), under the default group read.
-_stages: ScopedCache[tuple[int, ...] | None, Stages] = ScopedCache(64)
+# The stages per pipeline group (None: no pipeline), under the default group read: a group's ranks
+# never change, so its object is the key, and a call reads no rank list.
+_stages: ScopedCache[ProcessGroup | None, Stages] = ScopedCache(64)
 
 
 def stages_of(pp_group: ProcessGroup | None) -> Stages:
@@ -74,10 +75,10 @@ def stages_of(pp_group: ProcessGroup | None) -> Stages:
     Raises:
         ValueError: the pipeline group's size does not divide the world size.
     """
-    pp_ranks = tuple(dist.get_process_group_ranks(pp_group)) if pp_group is not None else None
-    found = _stages.get(pp_ranks)
+    found = _stages.get(pp_group)
     if found is not None:
         return found
+    pp_ranks = tuple(dist.get_process_group_ranks(pp_group)) if pp_group is not None else None
     world, rank = dist.get_world_size(), dist.get_rank()
     ranks = list(pp_ranks) if pp_ranks is not None else [rank]
     if world % len(ranks):
@@ -92,7 +93,7 @@ def stages_of(pp_group: ProcessGroup | None) -> Stages:
         is_reference=0 in ranks,
         pp_ranks=frozenset(ranks),
     )
-    return _stages.put(pp_ranks, at)
+    return _stages.put(pp_group, at)
 
 
 # The ranks of this rank's stage, learned once per pipeline group.

@@ -129,7 +129,7 @@ def plan(
     ]
     places = [[float(slots.of[i]), float(position_of[i])] for i in compared]
     carried = [[1.0, slots.tau[i]] for i in compared] if carry_limits else []
-    per_gradient = [[float(groups_), copies_, tau] for groups_, copies_, tau in slots.per_gradient]
+    per_gradient = [[float(count), c, tau] for count, c, tau in slots.per_gradient]
     rows = [places, carried, per_gradient]
     widths = [2, 2, 3]
     flat = [value for table in rows for row in table for value in row]
