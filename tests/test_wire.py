@@ -23,7 +23,13 @@ from __future__ import annotations
 import multiprocessing
 
 import pytest
-from world_layouts import MODELS, Collective, describe, wire_in_fake_world
+from world_layouts import (
+    MODELS,
+    Collective,
+    describe,
+    groups_of_a_dp_mesh_among_two_dims,
+    wire_in_fake_world,
+)
 
 MODEL = "4-layer"
 GRADIENTS = MODELS[MODEL].gradients
@@ -144,3 +150,16 @@ def test_no_collective_carries_more_than_16_numbers_a_gradient(wires, layout, ca
     assert max(c.elements for c in found) <= BOUND, (
         f"{describe(found)}: more than {BOUND} ({GRADIENTS} gradients)"
     )
+
+
+def test_copies_across_two_dims_of_the_root_meet_in_both_groups():
+    # FSDP2 on the dp mesh of (dp, cp=2, tp=2): each shard's 4 copies are its cp x tp peers,
+    # summed over cp then tp, then the world's all_reduce; the same at 64 and 1,024 ranks.
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(2, maxtasksperchild=1) as pool:
+        pending = [
+            pool.apply_async(groups_of_a_dp_mesh_among_two_dims, (world, world - 1))
+            for world in (64, LARGE)
+        ]
+        found = [result.get(timeout=180) for result in pending]
+    assert found == [[2, 2, 64], [2, 2, LARGE]], found

@@ -400,3 +400,30 @@ def wire_in_fake_world(
         }
     finally:
         dist.destroy_process_group()
+
+
+def groups_of_a_dp_mesh_among_two_dims(world: int, rank: int) -> list[int]:
+    """Rank ``rank`` of a fake (dp, cp=2, tp=2) world: the group of each collective of a later
+    norm of FSDP2 gradients on the dp mesh alone, whose copies span cp and tp (run in a fresh
+    process)."""
+    from credit.parallel.collectives import total_grad_norm
+
+    start_world(world, rank)
+    try:
+        mesh = init_device_mesh("cpu", (world // 4, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
+        shape = (2 * (world // 4), 3)
+        grads = [
+            DTensor.from_local(
+                torch.ones(2, 3),
+                mesh["dp"],
+                [Shard(0)],
+                run_check=False,
+                shape=shape,
+                stride=(3, 1),
+            )
+            for _ in range(3)
+        ]
+        total_grad_norm(grads)  # the layout's first call
+        return [c.group for c in wire(lambda: total_grad_norm(grads))]
+    finally:
+        dist.destroy_process_group()

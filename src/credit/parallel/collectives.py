@@ -369,7 +369,7 @@ def clip_grad_norm_(
         per_rank,
     )
     reduced = _norm.reduce(request)
-    _norm.scale_(reduced.local, reduced.stacking.groups, reduced.total, bound, foreach)
+    _norm.scale_(reduced.local, reduced.stacking, reduced.total, bound, foreach)
     return reduced.total
 
 
@@ -429,7 +429,7 @@ def clip_grads_with_norm_(
     total = _inputs.scalar_view(total_norm, "total_norm")
     _inputs.check_grads(grads, "grads")
     local = [local_tensor(grad) for grad in grads]
-    _norm.scale_(local, _norm.stacking_of(local).groups, total, bound, foreach)
+    _norm.scale_(local, _norm.stacking_of(local), total, bound, foreach)
 
 
 @torch.no_grad()

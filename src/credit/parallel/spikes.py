@@ -225,7 +225,7 @@ class SpikePolicy:
         decision = _spikes.decide(self.settings, state.history, observed)
         if decision.bound is not None:
             bound = _inputs.clip_bound(decision.bound)
-            _norm.scale_(reduced.local, reduced.stacking.groups, total, bound, foreach)
+            _norm.scale_(reduced.local, reduced.stacking, total, bound, foreach)
         self._state = replace(state, steps=observed.step, with_loss=world_loss.read)
         self._pending = self._last = decision
         return total

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch.distributed as dist
 from torch import Tensor
@@ -30,7 +30,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from credit.parallel._common.compat import dtensor_spec, root_mesh
-from credit.parallel._common.ownership import Holding, Stages, copies, copy_slot, layout_error
+from credit.parallel._common.ownership import (
+    Holding,
+    Stages,
+    copies,
+    copy_slot,
+    layout_error,
+    ranks_of,
+)
 
 # The meshes searched for a gradient's copies (the call's meshes and their roots), at most this
 # many: a model's gradients lie on a few meshes.
@@ -118,14 +125,12 @@ def _pipeline_dim(mesh: DeviceMesh, pp_ranks: frozenset[int]) -> int | None:
     return None
 
 
-def _grid(mesh: DeviceMesh, dims: tuple[int, ...]) -> list[int]:
+def _grid(mesh: DeviceMesh, dims: tuple[int, ...]) -> Collection[int]:
     """The ranks of ``mesh`` through this rank along ``dims``: one dim's from its process
-    group, several dims' from the rank map."""
+    group, several dims' from the rank map (``ownership.ranks_of``, the others fixed)."""
     if len(dims) == 1:
         return dist.get_process_group_ranks(mesh.get_group(dims[0]))
-    coordinate = list(mesh.get_coordinate() or ())
-    index = tuple(slice(None) if d in dims else c for d, c in enumerate(coordinate))
-    return mesh.mesh[index].flatten().tolist()
+    return ranks_of(mesh, tuple(d for d in range(mesh.ndim) if d not in dims) or None)
 
 
 def _dim_sets(mesh: DeviceMesh, size: int, pipeline: int) -> list[tuple[int, ...]]:

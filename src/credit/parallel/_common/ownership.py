@@ -295,7 +295,7 @@ def _dtensor_holding(grad: DTensor) -> Holding:
             f"on a mesh ({shape})"
         ),
         mesh=mesh,
-        mesh_ranks=_ranks_of(mesh),
+        mesh_ranks=ranks_of(mesh),
         replicas=math.prod(
             mesh.size(dim)
             for dim, placement in enumerate(placements)
@@ -315,7 +315,7 @@ def _dtensor_holding(grad: DTensor) -> Holding:
         replica_index=_ravel(
             [coordinate[d] for d in replicate_dims], [mesh.size(d) for d in replicate_dims]
         ),
-        replicate_slice=_ranks_of(mesh, tuple(replicate_dims) or None),
+        replicate_slice=ranks_of(mesh, tuple(replicate_dims) or None),
         shard_sizes=tuple(
             mesh.size(d) for d, placement in enumerate(placements) if not placement.is_replicate()
         ),
@@ -329,7 +329,7 @@ _mesh_ranks: ScopedCache[tuple[int, tuple[int, ...] | None], tuple[DeviceMesh, f
 _mesh_ranks = ScopedCache(256)
 
 
-def _ranks_of(mesh: DeviceMesh, fixed: tuple[int, ...] | None = None) -> frozenset[int]:
+def ranks_of(mesh: DeviceMesh, fixed: tuple[int, ...] | None = None) -> frozenset[int]:
     """The ranks of ``mesh`` (with ``fixed``, those at this rank's coordinates along those
     dims, any along the others; empty where this rank is not in the mesh)."""
     found = _mesh_ranks.get((id(mesh), fixed))

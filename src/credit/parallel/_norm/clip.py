@@ -14,24 +14,23 @@ from torch import Tensor
 
 from credit.parallel._common.compat import use_foreach
 from credit.parallel._norm import hooks as _hooks
+from credit.parallel._norm.stacking import Stacking
 
 
 def scale_(
     local: list[Tensor],
-    groups: list[tuple[torch.device, list[int]]],
+    stacking: Stacking,
     total: Tensor,
     max_norm: float | Tensor,
     foreach: bool | None,
 ) -> None:
     """torch's ``clip_grads_with_norm_`` on the local tensors ``local``, grouped by (device,
-    dtype) in ``groups``; the listeners learn of the coefficient."""
+    dtype) as ``stacking`` groups them; the listeners learn of the coefficient."""
     if not local:
         return
     clip_coef_clamped = clip_coefficient(max_norm, total)
-    # One group of every tensor: the list as it is (each tensor is scaled alike, in any order).
-    whole = len(groups) == 1 and len(groups[0][1]) == len(local)
-    for device, indices in groups:
-        device_grads = local if whole else [local[i] for i in indices]
+    for device, indices in stacking.groups:
+        device_grads = local if stacking.whole else [local[i] for i in indices]
         coef = clip_coef_clamped.to(device)
         if use_foreach(foreach, device_grads, device):
             torch._foreach_mul_(device_grads, coef)
