@@ -67,7 +67,6 @@ class GroupComparison:
 def plan(
     groups: list[tuple[ProcessGroup, ...] | None],
     order: list[int],
-    position_of: list[int],
     per_gradient: list[tuple[float, float, float]],
     device: torch.device,
 ) -> GroupComparison:
@@ -75,19 +74,20 @@ def plan(
 
     Args:
         groups: per gradient (input order), the process groups of its copies, or None.
-        order: the gradients' stacking order (input indices).
-        position_of: the place of each gradient's norm among the stacked norms.
+        order: the gradients' stacking order (input indices): the place of a gradient's norm
+            among a call's stacked norms is its place in it.
         per_gradient: per gradient, its copies, their tolerance, and its shard's key.
         device: where the tensors live.
     """
-    compared = [i for i in order if groups[i] is not None]
+    placed = [(position, i) for position, i in enumerate(order) if groups[i] is not None]
+    compared = [i for _, i in placed]
     per_row = [groups[i] or () for i in compared]
     ordered = _ordered(per_row)
     members = [
         [row for row, found in enumerate(per_row) if any(g is group for g in found)]
         for group in ordered
     ]
-    table = [float(value) for i in compared for value in (position_of[i], *per_gradient[i])]
+    table = [float(value) for position, i in placed for value in (position, *per_gradient[i])]
     rows = [float(row) for found in members for row in found]
     packed = torch.zeros(0, dtype=torch.float64, device=device)
     if table:  # one host-to-device copy for every constant

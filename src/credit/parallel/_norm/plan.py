@@ -285,7 +285,9 @@ def _comparison(
         groups = [
             _ownership.copy_group(h, at, lowest, d) for h, d in zip(held, distinct, strict=True)
         ]
-    position_of = _positions(stacking, len(held))
+    position_of = [0] * len(held)
+    for position, index in enumerate(stacking.stacked):
+        position_of[index] = position
     slotted = [found is None for found in in_groups]
     return _copies.plan(groups, slots, slotted, position_of, device, carry_limits=at.count > 1)
 
@@ -333,17 +335,7 @@ def _compared_in_groups(
         else (0.0, 0.0, 0.0)
         for h, found in zip(held, in_groups, strict=True)
     ]
-    return _group_comparison.plan(
-        in_groups, stacking.stacked, _positions(stacking, len(held)), per_gradient, device
-    )
-
-
-def _positions(stacking: Stacking, count: int) -> list[int]:
-    """The place of each gradient's norm among a call's stacked norms."""
-    position_of = [0] * count
-    for position, index in enumerate(stacking.stacked):
-        position_of[index] = position
-    return position_of
+    return _group_comparison.plan(in_groups, stacking.stacked, per_gradient, device)
 
 
 def _on_device(rows: list[list[float]], device: torch.device) -> list[Tensor]:
