@@ -1,6 +1,6 @@
 """What a norm keeps between calls to spare its host work never outlives the layout it was learned for.
 
-A call finds what this rank holds of its gradients (``ownership.holdings``) in one lookup per list
+A call finds what this rank holds of its gradients (``holdings.holdings``) in one lookup per list
 of layouts, and checks the gradients it is handed on every call (``inputs.local_refusal``, sets
 of layouts, dtypes and meta flags read first). Both must see a gradient of the same list object
 replaced by one of another shape, dtype, device or placement, a list mutated in place, a None
@@ -27,7 +27,7 @@ from layouts import error_of, mesh, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from credit.parallel._common import ownership
+from credit.parallel._common import holdings
 from credit.parallel._common.inputs import check_grads, tensor_list
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 
@@ -49,7 +49,7 @@ def _layout(grad: Tensor) -> tuple:
 
 
 def _held(grads: list[Tensor]) -> list[tuple]:
-    found = ownership.holdings(grads)
+    found = holdings.holdings(grads)
     return [
         (h.description[: len(_layout(g)[0])], h.dtype, h.device, h.local_numel, h.global_numel)
         for h, g in zip(found, grads, strict=True)
@@ -60,7 +60,7 @@ def _holdings_follow_one_list() -> list[bool]:
     """One list object, mutated between calls: the holdings of each call against the oracle."""
     line = mesh((2,), ("dp",))
     grads = [_seeded(4, 8), _seeded(8, seed=1), _seeded(3, 3, dtype=torch.float64, seed=2)]
-    first = ownership.holdings(grads)
+    first = holdings.holdings(grads)
     first_layouts = list(grads)
     seen = [_held(grads) == [_layout(g) for g in grads]]
     swaps = [
@@ -79,7 +79,7 @@ def _holdings_follow_one_list() -> list[bool]:
     del grads[0]
     seen.append(_held(grads) == [_layout(g) for g in grads])
     grads[:] = [_seeded(4, 8, seed=7), _seeded(8, seed=8), _seeded(3, 3, dtype=torch.float64)]
-    again = ownership.holdings(grads)  # the first layouts, other tensors: found, not rebuilt
+    again = holdings.holdings(grads)  # the first layouts, other tensors: found, not rebuilt
     seen.append(_held(grads) == [_layout(g) for g in first_layouts])
     seen.append(all(a is b for a, b in zip(again, first, strict=True)))
     # A list of DTensors only, each swapped for one of another placement, dtype or shape.

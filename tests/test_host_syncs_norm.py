@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from credit.parallel import collectives
-from credit.parallel._common import ownership as _ownership
+from credit.parallel._common import holdings as _holdings
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
@@ -127,7 +127,7 @@ VERDICT = (READ, "_norm/proof.py:prove")  # the verification's verdict
 INDEX = (FROM_HOST, "_norm/stacking.py:indices")  # an index tensor asked for the first time
 REPORT = (READ, "norm_report.py:_read")
 STAGES = (READ, "_norm/collective.py:_stages")  # the pipeline's one read
-STAGE_RANKS = {(READ, "_common/ownership.py:lowest_rank_of_stage"): 1}
+STAGE_RANKS = {(READ, "_norm/pipeline.py:lowest_rank_of_stage"): 1}
 # The copies' verdict, read at once where the collective's tensors are on the CPU (reading costs
 # no sync there); on a GPU it stays on the device (test_host_syncs.py traces the CUDA path).
 CPU_VERDICT = (READ, "_norm/verdict.py:raise_if_copies_differ")
@@ -137,7 +137,7 @@ def _one_stage() -> dict[str, list[Events]]:
     model = build("fsdp_tp", dim=20).model  # a width of its own: a new layout
     model_grads = grads(model)
     for grad in model_grads:
-        _ownership.holding(grad)  # the rank maps, read on the CPU (see the module docstring)
+        _holdings.holding(grad)  # the rank maps, read on the CPU (see the module docstring)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
     scaler = GradScaler("cpu", init_scale=1.0)

@@ -113,7 +113,7 @@ def test_collectives_of_a_first_call_at_1024_ranks(wires, layout, rank):
 
 
 # Not under pipeline stages: there each rank sizes the norm's vector from the stages' slot counts
-# that an all_reduce brings back (``_norm/stage_slots.py``), and the fake backend brings back each
+# that an all_reduce brings back (``_norm/pipeline.py``), and the fake backend brings back each
 # rank's own, so ranks of different stages size it differently in a fake world alone.
 @pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout != "pipeline"])
 @pytest.mark.parametrize("call", ["first call", *STEADY])

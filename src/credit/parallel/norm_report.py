@@ -140,9 +140,10 @@ def _read(
     """Each group's norm and the total, read on the host once, and whether each group has
     gradients on some rank."""
     total = reduced.total
-    if reduced.host is not None:  # stages: each group's norm and the total came back already
-        norms_and_total = torch.tensor(reduced.host[: count + 1], dtype=torch.float64)
-        present = [held > 0 for held in reduced.host[count + 1 :]]
+    if reduced.stages is not None:  # stages: each group's norm and the total came back already
+        numbers = reduced.stages.numbers
+        norms_and_total = torch.tensor(numbers[: count + 1], dtype=torch.float64)
+        present = [held > 0 for held in numbers[count + 1 :]]
         return norms_and_total.to(total.dtype).tolist(), present
     norms, present = _group_norms(reduced, segment_of, count, request.norm_type)
     values = torch.cat([norms.to(total), total.reshape(1)]).tolist()  # the one read

@@ -14,7 +14,7 @@ moves gloo's chunking, and with it the bits of the others):
   comparison, so every rank returns the same number, torch's bits where the copies are
   bit-identical;
 - pipeline stages (:func:`_stages`): one float64 number per segment, the comparison of every
-  stage's groups of copies in slots (each stage in its region, ``stage_slots``) and the flag of
+  stage's groups of copies in slots (each stage in its region, ``pipeline``) and the flag of
   those compared in their process groups, and what the stages
   decide together, read on the host once per call. A stage of plain replicas sends its
   reference copy's norms, as without stages.
@@ -35,12 +35,12 @@ from torch import Tensor
 from credit.parallel._common.groups import moves_data
 from credit.parallel._norm import copies as _copies
 from credit.parallel._norm import group_comparison as _group_comparison
-from credit.parallel._norm import stage_slots as _stage_slots
+from credit.parallel._norm import pipeline as _pipeline
 from credit.parallel._norm.local_norms import LocalNorms
+from credit.parallel._norm.pipeline import Regions
 from credit.parallel._norm.plan import RESULT_DTYPES, Kind, NormPlan
 from credit.parallel._norm.request import NormRequest
-from credit.parallel._norm.results import Reduced, StageDecisions
-from credit.parallel._norm.stage_slots import Regions
+from credit.parallel._norm.results import Reduced, StageDecisions, StagesRead
 
 
 def reduce(
@@ -50,8 +50,9 @@ def reduce(
     segment_count: int,
     unanswered: int,
 ) -> Reduced:
-    """The norm over ranks of this rank's local norms ``norms``; without a plan, the norm of this
-    rank's tensors alone (no collective), as torch computes it without a process group.
+    """The norm over ranks of this rank's local norms ``norms``, by the collective of the plan's
+    kind; without a plan, the norm of this rank's tensors alone (no collective), as torch
+    computes it without a process group.
 
     Args:
         norms: this rank's local norms (``local_norms.norms_of``).
@@ -61,35 +62,25 @@ def reduce(
         unanswered: under pipeline stages, how many of the listeners' questions this rank's
             gradients leave unanswered (``hooks.unanswered``).
     """
-    stacked = norms.stacked
     if plan is None:
         return _alone(norms, request)
-    result_dtype = request.dtype or plan.grads_dtype
-    if stacked is None and plan.kind is Kind.REPLICAS:  # torch's norm of no tensors
-        zero = torch.zeros((), dtype=result_dtype)
-        return Reduced(zero, zero.new_zeros(0), None, request.local, plan.stacking)
-    if stacked is None and plan.kind is Kind.SHARDS:  # no gradients on any rank (shared layout)
-        zero = torch.zeros((), dtype=result_dtype, device=plan.stacking.device)
-        return Reduced(zero, zero.new_zeros(0), None, request.local, plan.stacking, plan=plan)
-    if stacked is not None and plan.kind is Kind.SHARDS:
-        return _shards(plan, stacked, request, result_dtype)
-    if stacked is not None and plan.kind is Kind.REPLICAS:
-        return _replicas(plan, stacked, request)
-    return _stages(plan, norms, request, segment_count, unanswered)
+    if plan.kind is Kind.STAGES:
+        return _stages(plan, norms, request, segment_count, unanswered)
+    if plan.kind is Kind.REPLICAS:
+        return _replicas(plan, norms, request)
+    return _shards(plan, norms, request)
 
 
 def _alone(norms: LocalNorms, request: NormRequest) -> Reduced:
     """torch's ``get_total_norm`` of this rank's tensors."""
     if norms.stacked is None:
         zero = torch.zeros((), dtype=request.dtype or torch.get_default_dtype())
-        return Reduced(zero, zero.new_zeros(0), None, request.local, norms.stacking)
+        return Reduced(zero, zero.new_zeros(0), request.local, norms.stacking)
     total = torch.linalg.vector_norm(norms.stacked, request.norm_type)
-    return Reduced(
-        total, norms.stacked, None, request.local, norms.stacking, local_norms=norms.stacked
-    )
+    return Reduced(total, norms.stacked, request.local, norms.stacking, local_norms=norms.stacked)
 
 
-def _replicas(plan: NormPlan, stacked: Tensor, request: NormRequest) -> Reduced:
+def _replicas(plan: NormPlan, norms: LocalNorms, request: NormRequest) -> Reduced:
     """Plain replicas (DDP): the reference copy's norms on every rank, torch's bits.
 
     One all_reduce carries the reference's per-gradient norms (the stage's lowest rank sends
@@ -97,8 +88,13 @@ def _replicas(plan: NormPlan, stacked: Tensor, request: NormRequest) -> Reduced:
     returns the norm of the reference's entries: torch's bits where the copies are bit-identical,
     the same number on every rank where they differ within the tolerance. A NaN or inf in any
     rank's copy makes that gradient's comparison sums, and so its entry, non-finite on every
-    rank; copies that differ make the total NaN on every rank.
+    rank; copies that differ make the total NaN on every rank. Without gradients (the same on
+    every rank of a stage of replicas), torch's norm of no tensors.
     """
+    stacked = norms.stacked
+    if stacked is None:
+        zero = torch.zeros((), dtype=request.dtype or plan.grads_dtype)
+        return Reduced(zero, zero.new_zeros(0), request.local, plan.stacking)
     copies = plan.copies
     # One group per gradient, the same ranks in each: the lowest rank holds every reference.
     first = copies.groups[copies.compared[0]]
@@ -113,7 +109,6 @@ def _replicas(plan: NormPlan, stacked: Tensor, request: NormRequest) -> Reduced:
     return Reduced(
         torch.where(differ, math.nan, total),
         entries,
-        None,
         request.local,
         plan.stacking,
         local_norms=stacked,
@@ -134,7 +129,7 @@ def _summed_and_compared(
     every stage's, this stage's in its region (zeros where they do not fit it yet, or without
     local norms), and every rank sends the flag."""
     copies, device = plan.copies, plan.stacking.device
-    rows, offset = _stage_slots.section(regions, plan.at.index, copies.slot_count)
+    rows, offset = _pipeline.section(regions, plan.stages.index, copies.slot_count)
     norms = torch.zeros(0, 1, dtype=torch.float64, device=device)
     if stacked is None:
         offset = None  # nothing to compare: zeros
@@ -154,10 +149,15 @@ def _summed_and_compared(
     return sums, compared, differ | (flags > 0).any()
 
 
-def _shards(
-    plan: NormPlan, stacked: Tensor, request: NormRequest, result_dtype: torch.dtype
-) -> Reduced:
-    norm_type = request.norm_type
+def _shards(plan: NormPlan, norms: LocalNorms, request: NormRequest) -> Reduced:
+    """Shards within one stage: the per-gradient vector of weighted p-th powers (MAX for inf)
+    completed by the all_reduce, and its norm; zero where no rank holds gradients (the layout
+    is shared, so every rank knows)."""
+    stacked, norm_type = norms.stacked, request.norm_type
+    result_dtype = request.dtype or plan.grads_dtype
+    if stacked is None:
+        zero = torch.zeros((), dtype=result_dtype, device=plan.stacking.device)
+        return Reduced(zero, zero.new_zeros(0), request.local, plan.stacking, plan=plan)
     weights = None
     if plan.weights is not None:
         weights = plan.weights_in[torch.promote_types(result_dtype, torch.float32)]
@@ -179,7 +179,6 @@ def _shards(
     return Reduced(
         total,
         entries,
-        None,
         request.local,
         plan.stacking,
         local_norms=stacked,
@@ -221,27 +220,13 @@ def _stages(
     """The norm across pipeline stages, in one all_reduce and one read of a few numbers.
 
     Beside each segment's sum (MAX for inf) and the comparison of copies, the all_reduce carries
-    what the stages must decide together, and the reduced numbers are read on the host once. A
-    rank cannot know them otherwise: the other stages' gradients may change layout or dtype on any
-    call, seen only by their own ranks. The result's dtype (host metadata, the promotion of the
-    stages' votes) must be the same on every rank; a stage meeting a layout for the first time, or
-    one whose groups of copies do not fit its region yet, makes every rank prove it together
-    (``proof.settle_stages``), each stage's region grown to the slots it counts; the
-    listeners answer only if no rank left a question unanswered, which decides whether a scaler
-    issues a collective of its own later.
+    what the stages must decide together (:func:`_decided`), and the reduced numbers are read on
+    the host once. A rank cannot know them otherwise: the other stages' gradients may change
+    layout or dtype on any call, seen only by their own ranks.
     """
-    assert request.pp_group is not None
-    at = plan.at
-    regions = _stage_slots.agreed(request.pp_group, at.count)
-    fits = regions.fits(at.index, plan.copies.slot_count)
-    # Host numbers enter the vector through fill kernels, never a copy from host memory: whether
-    # this rank's stage asks for the proof (a new layout, the check mode, or slots that do not
-    # fit), and how many of the listeners' questions its gradients leave unanswered (zero
-    # without listeners).
-    asked = [
-        torch.full((1,), float(value), dtype=torch.float64, device=plan.stacking.device)
-        for value in (not plan.proof.verified or request.check or not fits, unanswered)
-    ]
+    assert request.pp_group is not None and plan.pipeline is not None
+    regions = _pipeline.agreed(request.pp_group, plan.stages.count)
+    asked = _asked(plan, request.check, regions, unanswered)
     if request.norm_type == math.inf:
         entries, total, present, tail = _max_of_stages(plan, norms, segment_count, asked)
         differ = torch.zeros((), dtype=torch.bool, device=plan.stacking.device)
@@ -252,33 +237,58 @@ def _stages(
     # The call's one read: the stages' decisions, and the norms (which a report reads).
     read = torch.cat([tail, differ.to(tail).reshape(1), entries, total.reshape(1), present])
     numbers = read.tolist()
-    decided, host = numbers[: len(tail) + 1], numbers[len(tail) + 1 :]
-    voting = len(RESULT_DTYPES)
-    votes, counts = decided[:voting], decided[voting : voting + at.count]
-    checks = decided[voting + at.count : -3]
-    if not moves_data():  # the vector came back as this rank sent it: its stage's count only
-        counts = [float(plan.copies.slot_count * (stage == at.index)) for stage in range(at.count)]
-    unverified_anywhere, unanswered_anywhere, differ_anywhere = decided[-3:]
-    voted = [dtype for dtype, vote in zip(RESULT_DTYPES, votes, strict=True) if vote]
-    result_dtype = request.dtype or functools.reduce(
-        torch.promote_types, voted, voted[0] if voted else plan.grads_dtype
-    )
+    decisions = _decided(plan, regions, numbers[: len(tail) + 1])
     return Reduced(
-        total.to(result_dtype),
+        total.to(request.dtype or decisions.result_dtype),
         entries,
-        present,
         request.local,
         plan.stacking,
         local_norms=norms.stacked,
-        answers_world=not unanswered_anywhere > 0,
-        host=host,
+        answers_world=decisions.listeners_answered,
         plan=plan,
-        stages=StageDecisions(
-            layout_failed=any(checks) and moves_data(),
-            unverified_anywhere=unverified_anywhere > 0,
-            copies_differ=differ_anywhere > 0,
-            regions=regions.grown(counts),
+        stages=StagesRead(present, numbers[len(tail) + 1 :], decisions),
+    )
+
+
+def _asked(plan: NormPlan, check: bool, regions: Regions, unanswered: int) -> list[Tensor]:
+    """What this rank's stage asks of every rank, as float64 tensors of one number each:
+    whether it asks for the proof (a new layout, the check mode, or slots that do not fit its
+    region), and how many of the listeners' questions its gradients leave unanswered (zero
+    without listeners). Host numbers enter the vector through fill kernels, never a copy from
+    host memory."""
+    fits = regions.fits(plan.stages.index, plan.copies.slot_count)
+    return [
+        torch.full((1,), float(value), dtype=torch.float64, device=plan.stacking.device)
+        for value in (not plan.proof.verified or check or not fits, unanswered)
+    ]
+
+
+def _decided(plan: NormPlan, regions: Regions, decided: list[float]) -> StageDecisions:
+    """What the stages decided together, from the reduced numbers read on the host: the
+    promotion of the stages' votes for the result dtype (the same on every rank); whether a
+    stage's layout failed, or met a layout for the first time, or did not fit its region (then
+    every rank proves it together, ``proof.settle_stages``, each stage's region grown to the
+    slots it counts); whether copies differed; whether no rank left a listener's question
+    unanswered (which decides whether a scaler issues a collective of its own later)."""
+    stages = plan.stages
+    voting = len(RESULT_DTYPES)
+    votes, counts = decided[:voting], decided[voting : voting + stages.count]
+    checks = decided[voting + stages.count : -3]
+    if not moves_data():  # the vector came back as this rank sent it: its stage's count only
+        counts = [
+            float(plan.copies.slot_count * (stage == stages.index)) for stage in range(stages.count)
+        ]
+    unverified_anywhere, unanswered_anywhere, differ_anywhere = decided[-3:]
+    voted = [dtype for dtype, vote in zip(RESULT_DTYPES, votes, strict=True) if vote]
+    return StageDecisions(
+        result_dtype=functools.reduce(
+            torch.promote_types, voted, voted[0] if voted else plan.grads_dtype
         ),
+        layout_failed=any(checks) and moves_data(),
+        unverified_anywhere=unverified_anywhere > 0,
+        copies_differ=differ_anywhere > 0,
+        listeners_answered=not unanswered_anywhere > 0,
+        regions=regions.grown(counts),
     )
 
 
@@ -290,7 +300,9 @@ def _max_of_stages(
     values, present = _segment_terms(norms, math.inf, segment_count, plan)
     nan = torch.isnan(values)
     clean = torch.where(nan, 0.0, values)
-    decided = [plan.votes, plan.slot_counts, plan.checks[1:], *asked]
+    pipeline = plan.pipeline
+    assert pipeline is not None
+    decided = [pipeline.votes, pipeline.slot_counts, pipeline.checks[1:], *asked]
     vector = torch.cat([clean, nan.to(values), present, *decided])
     dist.all_reduce(vector, op=dist.ReduceOp.MAX)
     values, nan, present, tail = vector.split(
@@ -311,7 +323,9 @@ def _sum_of_stages(
     """The p-norm's all_reduce (SUM), with the comparison of every stage's copies (``regions``).
     The self-check's terms sum to zero over the world when every stage holds whole copies."""
     values, present = _segment_terms(norms, norm_type, segment_count, plan)
-    decided = [plan.votes, plan.slot_counts, plan.checks, *asked]
+    pipeline = plan.pipeline
+    assert pipeline is not None
+    decided = [pipeline.votes, pipeline.slot_counts, pipeline.checks, *asked]
     sums, _, copies_differ = _summed_and_compared(
         torch.cat([values, present, *decided]), norms.stacked, plan, regions
     )

@@ -27,7 +27,7 @@ Within a stage every rank knows each slot's ``c`` and ``tau`` (the plan keeps th
 pipeline stages a rank knows its own stage's slots only, so the limits travel in the sums: each
 member also adds 1 and its ``tau``, and every rank reads ``c`` and ``tau`` of every slot of every
 stage from the reduced vector (a slot no rank wrote is empty and passes). Each stage writes into a
-region of its own (``stage_slots``); the test is the same, slot by slot.
+region of its own (``pipeline``); the test is the same, slot by slot.
 
 Tolerance ``tau = max(2**-16, 8 eps)`` of the gradient's dtype (float32 and float64: 1.5e-5;
 float16: 7.8e-3; bfloat16: 6.3e-2). Copies reduced by an all_reduce are bit-identical; copies
@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from credit.parallel._common.compat import foreach_norm, group_indices_by_device_and_dtype
-from credit.parallel._common.ownership import CopyGroup
+from credit.parallel._common.copy_groups import CopyGroup
 from credit.parallel._common.scoped import ScopedCache
 
 _PERIOD = 1021  # the patterns repeat with this prime period, which no tensor dim is likely to share
@@ -248,7 +248,7 @@ def terms_of(plan: Comparison, prints: Tensor, rows: int, offset: int | None) ->
     Args:
         plan: the layout's comparison.
         prints: the fingerprints.
-        rows: the slots of the whole comparison (``stage_slots.section``).
+        rows: the slots of the whole comparison (``pipeline.section``).
         offset: where this stage's slots start among them; None: nowhere, the addends are
             zeros.
     """

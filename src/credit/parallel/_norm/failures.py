@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from credit.parallel._common.ownership import Holding, Stages
+from credit.parallel._common.holdings import Holding
+from credit.parallel._common.stages import Stages
 from credit.parallel._norm import copies as _copies
 from credit.parallel._norm.plan import NormPlan
 
@@ -32,9 +33,9 @@ def raise_copies_differ(
     must call it together (it gathers each rank's fingerprints)."""
     compared = sorted(plan.copies.compared + plan.groups.compared)
     _raise_mismatch(
-        _records(plan.copies, compared, plan.held, local, plan.at.index, label),
-        plan.at.index,
-        len(plan.held),
+        _records(plan.copies, compared, plan.holdings, local, plan.stages.index, label),
+        plan.stages.index,
+        len(plan.holdings),
         what,
     )
 
@@ -48,7 +49,7 @@ def raise_groups_misfit(plan: NormPlan, misfit: Tensor, what: str) -> None:
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (dist.get_rank(), mine))
     rank, indices = next((rank, found) for rank, found in everyone if found)
-    held = plan.held[indices[0]]
+    held = plan.holdings[indices[0]]
     raise RuntimeError(
         f"{what}: gradient {indices[0]} ({held.description}) is held, on rank {rank}, by "
         "process groups of its meshes that the rank maps take for its copies, yet their ranks "
@@ -60,12 +61,12 @@ def raise_groups_misfit(plan: NormPlan, misfit: Tensor, what: str) -> None:
 
 def raise_layout_failure(plan: NormPlan, what: str) -> None:
     """Gather every rank's view of the layout and raise the same error on every rank."""
-    at = plan.at
+    stages = plan.stages
     mine = (
-        at.index,
-        at.is_reference,
+        stages.index,
+        stages.is_reference,
         plan.error,
-        [(h.description, len(h.mesh_ranks), h.replicas, h.global_numel) for h in plan.held],
+        [(h.description, len(h.mesh_ranks), h.replicas, h.global_numel) for h in plan.holdings],
         plan.coverage,
     )
     everyone: list = [None] * dist.get_world_size()
@@ -73,28 +74,28 @@ def raise_layout_failure(plan: NormPlan, what: str) -> None:
     for rank, (_, _, error, _, _) in enumerate(everyone):
         if error is not None:
             raise ValueError(f"{what}: {error} (rank {rank}). No gradient was modified.")
-    raise RuntimeError(_describe_missing_copies(everyone, at, what))
+    raise RuntimeError(_describe_missing_copies(everyone, stages, what))
 
 
-def _describe_missing_copies(everyone: list, at: Stages, what: str) -> str:
-    for stage in range(at.count):
+def _describe_missing_copies(everyone: list, stages: Stages, what: str) -> str:
+    for stage in range(stages.count):
         ranks = [view for view in everyone if view[0] == stage]
         reference = next((view for view in ranks if view[1]), ranks[0] if ranks else None)
         if reference is None:
             continue
         for index, (description, mesh_size, replicas, numel) in enumerate(reference[3]):
             held = sum(
-                view[4][index] + (at.size * replicas * numel if view[1] else 0)
+                view[4][index] + (stages.size * replicas * numel if view[1] else 0)
                 for view in ranks
                 if index < len(view[4])
             )
-            expected = at.size * replicas * numel
+            expected = stages.size * replicas * numel
             if held != expected:
                 return (
                     f"{what}: cannot count gradient {index} ({description}) exactly once: "
-                    f"its mesh has {mesh_size} ranks, so the {at.size} ranks of "
-                    f"{'stage ' + str(stage) if at.count > 1 else 'the world'} should hold "
-                    f"{at.size // max(mesh_size, 1)} copies of it, but they hold "
+                    f"its mesh has {mesh_size} ranks, so the {stages.size} ranks of "
+                    f"{'stage ' + str(stage) if stages.count > 1 else 'the world'} should hold "
+                    f"{stages.size // max(mesh_size, 1)} copies of it, but they hold "
                     f"{held / (mesh_size * replicas * numel) if numel else 0:g}. Every rank "
                     "of a stage must hold every gradient of the stage, each on its own copy of "
                     "the mesh; pass pipeline stages as pp_group. No gradient was modified."

@@ -49,7 +49,7 @@ def norms_of(
     ):
         return LocalNorms(plan.stacking, None)
     if plan is not None:
-        local = _partial.complete(request.local, plan.held, plan.partial)
+        local = _partial.complete(request.local, plan.holdings, plan.partial)
         stacking = plan.stacking
         segments = stacking.segments(segment_of) if plan.kind is Kind.STAGES else None
     else:

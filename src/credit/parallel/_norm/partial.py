@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from credit.parallel._common.ownership import Holding
+from credit.parallel._common.holdings import Holding
 
 _REDUCE_OPS = ("sum", "avg")
 

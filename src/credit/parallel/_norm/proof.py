@@ -12,7 +12,7 @@ leaves the copies unproven until a later call: the norm is not finite then anywa
 
 Within a stage every rank meets a layout on the same call, so the proof runs before the norm's
 collective. Under pipeline stages a rank cannot know when another stage meets a new layout: every
-norm's all_reduce carries the question (and each stage's count of slots, ``stage_slots``), and
+norm's all_reduce carries the question (and each stage's count of slots, ``pipeline``), and
 the proof runs after it, on every rank, when any stage asks (:func:`settle_stages`), each stage's
 groups in its region of the regions that call agreed.
 
@@ -30,30 +30,26 @@ from credit.parallel._common.groups import moves_data
 from credit.parallel._norm import copies as _copies
 from credit.parallel._norm import failures as _failures
 from credit.parallel._norm import group_comparison as _group_comparison
-from credit.parallel._norm import stage_slots as _stage_slots
+from credit.parallel._norm import pipeline as _pipeline
+from credit.parallel._norm.pipeline import Regions
 from credit.parallel._norm.plan import NormPlan
 from credit.parallel._norm.request import NormRequest
 from credit.parallel._norm.results import StageDecisions
-from credit.parallel._norm.stage_slots import Regions
 
 
 def prove_if_due(plan: NormPlan, request: NormRequest) -> None:
     """Within a single stage, prove the layout on its first call, or on every call in the check
     mode (the same on every rank: the ranks of a stage share the layout)."""
-    if plan.at.count == 1 and (not plan.proof.verified or request.check):
+    if plan.stages.count == 1 and (not plan.proof.verified or request.check):
         prove(plan, request)
 
 
-def settle_stages(
-    plan: NormPlan | None, request: NormRequest, decided: StageDecisions | None
-) -> None:
+def settle_stages(plan: NormPlan, request: NormRequest, decided: StageDecisions) -> None:
     """Under pipeline stages, act on what the stages decided in the norm's all_reduce
     (``Reduced.stages``): keep the regions every rank read; a layout that failed raises on every
     rank; a stage that met a new layout has every rank prove it."""
-    if decided is None or plan is None:
-        return
     assert request.pp_group is not None
-    _stage_slots.keep(request.pp_group, decided.regions)
+    _pipeline.keep(request.pp_group, decided.regions)
     if decided.layout_failed:
         _failures.raise_layout_failure(plan, request.what)
     if decided.unverified_anywhere:
@@ -77,7 +73,7 @@ def prove(plan: NormPlan, request: NormRequest, regions: Regions | None = None) 
             taken for copies holds other shards (on every rank).
     """
     copies, device = plan.copies, plan.stacking.device
-    rows, offset = _stage_slots.section(regions, plan.at.index, copies.slot_count)
+    rows, offset = _pipeline.section(regions, plan.stages.index, copies.slot_count)
     sums, nonfinite = _copies.terms(copies, request.local, device, rows, offset)
     # A stage whose ranks count other slots than its reference rank passed other layouts; a
     # stage with copies in process groups proves them next, and every rank must join.

@@ -56,7 +56,8 @@ def reduce(
     stages = plan is not None and plan.kind is Kind.STAGES
     unanswered = _hooks.unanswered(request.local) if stages else 0
     reduced = _collective.reduce(norms, request, plan, segment_count, unanswered)
-    _proof.settle_stages(plan, request, reduced.stages)
+    if plan is not None and reduced.stages is not None:
+        _proof.settle_stages(plan, request, reduced.stages.decisions)
     reduced = _verdict.settle(reduced, request)
     _hooks.notify(reduced.normed)
     if request.error_if_nonfinite:

@@ -24,7 +24,7 @@ def settle(reduced: Reduced, request: NormRequest) -> Reduced:
     Every rank must call it together."""
     if reduced.differ is not None and reduced.differ.device.type == "cpu":
         return raise_if_copies_differ(reduced, request)  # reading costs no sync there
-    if reduced.stages is not None and reduced.stages.copies_differ:
+    if reduced.stages is not None and reduced.stages.decisions.copies_differ:
         _raise_copies_differ(reduced, request)
     return reduced
 
@@ -61,8 +61,9 @@ def _finite_and_differ(reduced: Reduced) -> tuple[bool, bool]:
     """Whether the total is finite, and whether copies differed, from the call's one read: under
     pipeline stages the stages' read, which brought the total back (their copies' verdict was
     acted on already, in :func:`settle`); elsewhere one read of the device."""
-    if reduced.host is not None:
-        total = torch.tensor(reduced.host[len(reduced.entries)], dtype=torch.float64, device="cpu")
+    if reduced.stages is not None:
+        read = reduced.stages.numbers[len(reduced.entries)]
+        total = torch.tensor(read, dtype=torch.float64, device="cpu")
         return bool(total.to(reduced.total.dtype).isfinite()), False  # the result's rounding
     finite = torch.isfinite(reduced.total)
     differ = reduced.differ if reduced.differ is not None else torch.zeros_like(finite)

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from credit.parallel._common import copy_groups as _copy_groups
+from credit.parallel._common import holdings as _holdings
 from credit.parallel._common import ownership as _ownership
 from credit.parallel._replicas import sharing as _sharing
 from credit.parallel._replicas.messages import WHAT, name_ranks
@@ -67,7 +69,7 @@ def diagnose(
     # Only where this rank's layout can be counted: the others raise its error below.
     owners = {name: _owner(mine, name) for name in mine.params} if error is None else {}
     everyone: list = [None] * dist.get_world_size()
-    mine_all = (dist.get_rank(), mine.at.index, error, records, owners, arguments)
+    mine_all = (dist.get_rank(), mine.stages.index, error, records, owners, arguments)
     dist.all_gather_object(everyone, mine_all)
     _refuse_different_arguments({rank: theirs for rank, *_, theirs in everyone})
     for rank, _, their_error, *_ in everyone:
@@ -123,7 +125,7 @@ def _record(
     entry, local, held = mine.entries[index], mine.local[index], mine.held[index]
     group = mine.groups[index]
     owner = mine.params.get(entry.owner_name)
-    like_owner = owner is not None and _ownership.holding(owner).description == held.description
+    like_owner = owner is not None and _holdings.holding(owner).description == held.description
     return TensorRecord(
         name=entry.name,
         kind=entry.kind,
@@ -131,7 +133,7 @@ def _record(
         key=group.key if group is not None and digest is not None else None,
         size=group.size if group is not None else 0,
         digest=tuple(digest) if digest is not None else None,
-        coverage=_ownership.coverage(held, mine.at),
+        coverage=_ownership.coverage(held, mine.stages),
         nbytes=local.numel() * local.element_size(),
         owner=entry.owner_name,
         state_key=entry.state_key,
@@ -146,14 +148,14 @@ def _record(
 
 
 def _owner(mine: Held, name: str) -> Owner:
-    held = _ownership.holding(mine.params[name])
-    plain = _ownership.holding(torch.empty(()))
+    held = _holdings.holding(mine.params[name])
+    plain = _holdings.holding(torch.empty(()))
     mark = mine.param_marks[name]
     keys = []
     for layout in (held, plain):
         group = None
-        if _ownership.layout_error(layout, mine.at, mark) is None:
-            group = _ownership.copy_group(layout, mine.at, mine.lowest, mark)
+        if _ownership.layout_error(layout, mine.stages, mark) is None:
+            group = _copy_groups.copy_group(layout, mine.stages, mine.lowest, mark)
         keys.append(group.key if group is not None else None)
     return Owner(description=held.description, key=keys[0], plain_key=keys[1])
 

@@ -24,11 +24,18 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
+from credit.parallel._common import copy_groups as _copy_groups
+from credit.parallel._common import holdings as _holdings
 from credit.parallel._common import ownership as _ownership
-from credit.parallel._common.ownership import CopyGroup, Holding, Stages
+from credit.parallel._common import stages as _stages
+from credit.parallel._common.copy_groups import CopyGroup
+from credit.parallel._common.holdings import Holding
 from credit.parallel._common.scoped import ScopedCache
+from credit.parallel._common.stages import Stages
 from credit.parallel._replicas import digests as _digests
 from credit.parallel._replicas import weights as _weights
 from credit.parallel._replicas.arguments import Request
@@ -58,7 +65,7 @@ class ReplicaPlan:
     """
 
     held: tuple[Holding, ...]
-    at: Stages
+    stages: Stages
     stage: frozenset[int]
     groups: tuple[CopyGroup | None, ...]
     compared: tuple[int, ...]
@@ -75,14 +82,14 @@ _plans: ScopedCache[tuple, ReplicaPlan] = ScopedCache(_MAX_PLANS)
 
 def plan(request: Request) -> ReplicaPlan:
     """The plan of the layout of ``request``'s tensors: built on its first call, then kept."""
-    held = tuple(_ownership.holding(entry.tensor) for entry in request.entries)
-    at = _ownership.stages_of(request.pp_group)
+    held = tuple(_holdings.holding(entry.tensor) for entry in request.entries)
+    stages = _stages.stages_of(request.pp_group)
     marks = request.distinct if request.distinct is not None else (None,) * len(held)
     names = tuple((entry.name, entry.kind) for entry in request.entries)
-    key = (tuple(map(id, held)), at, marks, names, request.invalid)
+    key = (tuple(map(id, held)), stages, marks, names, request.invalid)
     found = _plans.get(key)
     if found is None:
-        found = _plans.put(key, _build(request, held, at, marks))
+        found = _plans.put(key, _build(request, held, stages, marks))
     return found
 
 
@@ -99,20 +106,20 @@ class _Layout(NamedTuple):
 def _build(
     request: Request,
     held: tuple[Holding, ...],
-    at: Stages,
+    stages: Stages,
     marks: tuple[frozenset[int] | None, ...],
 ) -> ReplicaPlan:
-    layout = _layout(request, held, at, marks)
+    layout = _layout(request, held, stages, marks)
     members = [member for _, member in layout.members]
     compared = tuple(index for index, _ in layout.members)
-    coefficients, presence = _weights.weights(members, at.index)
-    coverage = _weights.coverage_term(layout.counts, at.index)
+    coefficients, presence = _weights.weights(members, stages.index)
+    coverage = _weights.coverage_term(layout.counts, stages.index)
     error = layout.error
     constant = torch.tensor([*presence, _digests.signed(coverage), int(error is not None)])
     device = request.device
     return ReplicaPlan(
         held=held,
-        at=at,
+        stages=stages,
         stage=layout.stage,
         groups=layout.groups,
         compared=compared,
@@ -127,30 +134,30 @@ def _build(
 def _layout(
     request: Request,
     held: tuple[Holding, ...],
-    at: Stages,
+    stages: Stages,
     marks: tuple[frozenset[int] | None, ...],
 ) -> _Layout:
     """Each tensor's group of copies, the tensors compared, the self-check's counts, and why the
     layout cannot be compared (then no tensor has a group), or None."""
-    stage = _ownership.stage_ranks(at, request.pp_group, request.device)
+    stage = _stage_ranks(stages, request.pp_group, request.device)
     entries = request.entries
     counts = tuple(
-        (entry.name, _ownership.coverage(h, at))
+        (entry.name, _ownership.coverage(h, stages))
         for entry, h in zip(entries, held, strict=True)
         if entry.kind != "state"
     )
-    errors = (_ownership.layout_error(h, at, d) for h, d in zip(held, marks, strict=True))
+    errors = (_ownership.layout_error(h, stages, d) for h, d in zip(held, marks, strict=True))
     error = request.invalid or next((e for e in errors if e is not None), None)
     if error is not None:
         return _Layout(stage, (None,) * len(held), (), counts, error)
     groups = tuple(
-        _ownership.copy_group(h, at, min(stage), d) for h, d in zip(held, marks, strict=True)
+        _copy_groups.copy_group(h, stages, min(stage), d) for h, d in zip(held, marks, strict=True)
     )
     members = []
     for i, (h, group) in enumerate(zip(held, groups, strict=True)):
         if group is None or group.size < 2 or h.partial_dims:
             continue
-        universe = _ownership.universe(group, h, stage)
+        universe = _copy_groups.universe(group, h, stage)
         if not group.share <= universe:  # its share cannot be weighed
             error = (
                 f"{entries[i].name} ({h.description}): its distinct_along group holds ranks of "
@@ -163,3 +170,28 @@ def _layout(
         )
         members.append((i, member))
     return _Layout(stage, groups, tuple(members), counts, None)
+
+
+# The ranks of this rank's stage, learned once per pipeline group.
+_stage_by_pp_group: ScopedCache[ProcessGroup, frozenset[int]] = ScopedCache(64)
+
+
+def _stage_ranks(
+    stages: Stages, pp_group: ProcessGroup | None, device: torch.device
+) -> frozenset[int]:
+    """The ranks of this rank's pipeline stage: the world within a single stage; under pipeline
+    stages one all_reduce of a world-size vector (each rank writes its stage), once per pp_group.
+    """
+    if pp_group is None:
+        return frozenset(range(dist.get_world_size()))
+    ranks = _stage_by_pp_group.get(pp_group)
+    if ranks is None:
+        stage_of = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+        stage_of[dist.get_rank()].fill_(stages.index + 1)  # 0: a rank not heard from
+        dist.all_reduce(stage_of, op=dist.ReduceOp.SUM)
+        mine = stages.index + 1
+        # This rank is of its stage whatever the backend moved (the fake backend moves nothing).
+        ranks = frozenset(r for r, s in enumerate(stage_of.tolist()) if s == mine)
+        ranks |= {dist.get_rank()}
+        _stage_by_pp_group.put(pp_group, ranks)
+    return ranks

@@ -17,7 +17,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from credit.parallel._common.ownership import CopyGroup, Holding, Stages
+from credit.parallel._common.copy_groups import CopyGroup
+from credit.parallel._common.holdings import Holding
+from credit.parallel._common.stages import Stages
 
 # How a group's source was decided (:attr:`Mismatch.decided_by`).
 MAJORITY = "majority"
@@ -81,7 +83,7 @@ class Held:
     held: tuple[Holding, ...]
     groups: tuple[CopyGroup | None, ...]
     compared: tuple[int, ...]
-    at: Stages
+    stages: Stages
     lowest: int
     params: Mapping[str, Tensor]
     param_marks: Mapping[str, frozenset[int] | None]

@@ -82,7 +82,7 @@ def _prepare(
 ) -> tuple[list[_Write], str | None]:
     """This rank's part of a repair, modifying nothing: its sources' bytes in ``data``, and its
     targets (with the state tensors to put into the optimizer); or why it cannot do its part."""
-    rank, stage = dist.get_rank(), mine.at.index
+    rank, stage = dist.get_rank(), mine.stages.index
     index = {entry.name: i for i, entry in enumerate(mine.entries)}
     writes: list[_Write] = []
     try:

@@ -55,7 +55,7 @@ def settle(request: Request, plan: ReplicaPlan, prints: Tensor | None) -> Settle
         held=plan.held,
         groups=plan.groups,
         compared=plan.compared,
-        at=plan.at,
+        stages=plan.stages,
         lowest=min(plan.stage),
         params=request.params,
         param_marks=dict(zip(request.params, param_distinct, strict=True)),

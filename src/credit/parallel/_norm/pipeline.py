@@ -1,4 +1,8 @@
-"""Where each pipeline stage's groups of copies sit in the norm's vector, the same on every rank.
+"""What the pipeline stages learn together: each stage's lowest rank, and where each stage's
+groups of copies sit in the norm's vector, the same on every rank.
+
+A stage's lowest rank (whose copy of a plain replica is the reference) is learned once per
+pipeline group, in one all_reduce (MIN) of one number per stage (:func:`lowest_rank_of_stage`).
 
 Every group of copies has a slot of its own in the norm's all_reduce (``copies``). Under pipeline
 stages a rank knows its own stage's groups only, and another stage may meet a new layout on any
@@ -18,9 +22,33 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from credit.parallel._common.scoped import ScopedCache
+from credit.parallel._common.stages import Stages
+
+# The lowest rank of this rank's stage, learned once per pipeline group.
+_lowest_by_pp_group: ScopedCache[ProcessGroup, int] = ScopedCache(64)
+
+
+def lowest_rank_of_stage(
+    stages: Stages, pp_group: ProcessGroup | None, device: torch.device
+) -> int:
+    """0 within a single stage; under pipeline stages the lowest rank of this rank's stage,
+    learned once per pp_group in one all_reduce (MIN) of one number per stage, and one read."""
+    if pp_group is None:
+        return 0
+    lowest = _lowest_by_pp_group.get(pp_group)
+    if lowest is None:
+        lowest_of = torch.full(
+            (stages.count,), dist.get_world_size(), dtype=torch.int64, device=device
+        )
+        lowest_of[stages.index].fill_(dist.get_rank())
+        dist.all_reduce(lowest_of, op=dist.ReduceOp.MIN)
+        lowest = _lowest_by_pp_group.put(pp_group, int(lowest_of[stages.index]))
+    return lowest
 
 
 @dataclass(frozen=True)
