@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from credit.parallel._common.compat import dtensor_spec, root_mesh
 from credit.parallel._common.holdings import Holding, flat_index, ranks_of
-from credit.parallel._common.ownership import copies, layout_error
+from credit.parallel._common.ownership import Counts
 from credit.parallel._common.stages import Stages
 
 # The meshes searched for a gradient's copies (the call's meshes and their roots), at most this
@@ -69,12 +69,12 @@ class CopyGroup:
 
 
 def copy_group(
-    holding: Holding, stages: Stages, lowest: int, distinct: frozenset[int] | None
+    holding: Holding, lowest: int, distinct: frozenset[int] | None, size: int
 ) -> CopyGroup | None:
     """This rank's :class:`CopyGroup` for ``holding``, or None where it holds nothing of it.
 
     The copies are the ranks at the same place of the other copies of the mesh in the stage
-    (cosets, as :func:`weight` counts them), times the Replicate dims inside the mesh. The
+    (cosets, as ``ownership.weight`` counts them), times the Replicate dims inside the mesh. The
     reference is the copy at coordinate 0 along the Replicate dims in the mesh copy that holds the
     stage's lowest rank ``lowest``, which every member of that copy can see in its own rank map.
     With ``distinct``, the copies of the mesh run across blocks made of ``distinct`` groups: the
@@ -84,9 +84,9 @@ def copy_group(
 
     Args:
         holding: what this rank holds of the gradient, for a layout without ``layout_error``.
-        at: the stages of the world.
         lowest: the lowest rank of this rank's stage.
         distinct: ranks of the group along which the gradient's copies differ, or None.
+        size: how many ranks hold its values (``ownership.copies``).
     """
     if dist.get_rank() not in holding.mesh_ranks:
         return None
@@ -102,7 +102,7 @@ def copy_group(
         else:  # the group shrinks to the Replicate dims of this rank's own mesh copy
             in_reference_block, confined = True, True
     return CopyGroup(
-        size=copies(holding, stages, distinct),
+        size=size,
         is_reference=in_reference_block and holding.replica_index == 0,
         key=key,
         share=share,
@@ -163,29 +163,20 @@ def candidate_meshes(grads: Sequence[Tensor]) -> list[DeviceMesh]:
     return found
 
 
-def groups_of_copies(
-    holding: Holding,
-    stages: Stages,
-    distinct: frozenset[int] | None,
-    meshes: Sequence[DeviceMesh],
+def _groups_in_hand(
+    holding: Holding, stages: Stages, meshes: Sequence[DeviceMesh]
 ) -> tuple[ProcessGroup, ...] | None:
     """The process groups whose grid through this rank holds exactly the copies of its shard of
-    ``holding``, in the order every member reduces over them; None where the copies are compared in
-    the world's all_reduce (no copies, a single group of copies, or no such groups in hand).
+    ``holding`` (a DTensor on a mesh this rank is in, with copies in several groups), in the
+    order every member reduces over them; None where no such groups are in hand.
 
     Args:
         holding: what this rank holds of the gradient.
-        at: the stages of the world.
-        distinct: ranks of the group along which the gradient's copies differ, or None.
+        stages: the stages of the world.
         meshes: the meshes to search for the copies of the mesh (:func:`candidate_meshes`).
     """
     mesh = holding.mesh
-    if mesh is None or distinct is not None or dist.get_rank() not in holding.mesh_ranks:
-        return None
-    if layout_error(holding, stages, distinct) is not None:
-        return None  # the proof says why, before any group could meet another stage's ranks
-    if copies(holding, stages, distinct) == 1 or copy_slot(holding, stages, distinct)[1] == 1:
-        return None  # nothing to compare, or one group: a slot of the world's all_reduce
+    assert mesh is not None
     inside = tuple(mesh.get_group(d) for d in holding.replicate_dims if mesh.size(d) > 1)
     mesh_copies = stages.size // len(holding.mesh_ranks)
     if mesh_copies == 1:
@@ -203,8 +194,10 @@ class Copies:
         group: this rank's :class:`CopyGroup`; None where it holds nothing of the gradient, or
             where the layout cannot be reduced (nothing is compared then).
         slot: ``(index, count)`` of its group among the gradient's groups (:func:`copy_slot`).
-        process_groups: the process groups in which the copies meet (:func:`groups_of_copies`),
-            or None where they are compared in slots of the world's all_reduce.
+        process_groups: the process groups in which the copies meet, or None where they are
+            compared in slots of the world's all_reduce (no copies, a single group of copies, a
+            plain tensor, ``distinct_along``, a layout that cannot be reduced, or no such groups
+            in hand).
     """
 
     count: int
@@ -219,6 +212,7 @@ def copies_of(
     lowest: int,
     distinct: Sequence[frozenset[int] | None],
     grads: Sequence[Tensor],
+    counts: Counts,
     reducible: bool,
 ) -> list[Copies]:
     """The :class:`Copies` of each gradient, decided once per distinct holding; a process group
@@ -230,20 +224,24 @@ def copies_of(
         lowest: the lowest rank of this rank's stage.
         distinct: per gradient, the ranks along which its copies differ, or None.
         grads: the gradients, whose meshes are searched (:func:`candidate_meshes`).
+        counts: what the rank maps count of each gradient (``ownership.counts``).
         reducible: whether the layout can be reduced (else no gradient has a group).
     """
     meshes = candidate_meshes(grads)
     decided: dict[tuple[int, frozenset[int] | None], Copies] = {}
     by_ranks: dict[tuple[int, ...], ProcessGroup] = {}
     found = []
-    for holding, marked in zip(holdings, distinct, strict=True):
+    for index, (holding, marked) in enumerate(zip(holdings, distinct, strict=True)):
         key = (id(holding), marked)
         if key not in decided:
-            groups = groups_of_copies(holding, stages, marked, meshes)
+            count, slot = counts.copies[index], copy_slot(holding, stages, marked)
+            groups = None
+            if _meets_in_groups(holding, marked, counts.errors[index], count, slot[1]):
+                groups = _groups_in_hand(holding, stages, meshes)
             decided[key] = Copies(
-                count=copies(holding, stages, marked),
-                group=copy_group(holding, stages, lowest, marked) if reducible else None,
-                slot=copy_slot(holding, stages, marked),
+                count=count,
+                group=copy_group(holding, lowest, marked, count) if reducible else None,
+                slot=slot,
                 process_groups=groups
                 and tuple(
                     by_ranks.setdefault(tuple(dist.get_process_group_ranks(g)), g) for g in groups
@@ -251,6 +249,23 @@ def copies_of(
             )
         found.append(decided[key])
     return found
+
+
+def _meets_in_groups(
+    holding: Holding, distinct: frozenset[int] | None, error: str | None, count: int, groups: int
+) -> bool:
+    """Whether the copies of ``holding`` may meet in process groups: a DTensor on a mesh this
+    rank is in, not declared distinct, its layout sound (the proof says why otherwise, before any
+    group could meet another stage's ranks), with copies in more than one group (else nothing
+    to compare, or one slot of the world's all_reduce)."""
+    return (
+        holding.mesh is not None
+        and distinct is None
+        and dist.get_rank() in holding.mesh_ranks
+        and error is None
+        and count > 1
+        and groups > 1
+    )
 
 
 def _across_mesh_copies(

@@ -40,25 +40,37 @@ class Counts:
     """What the rank maps say of a layout's gradients on this rank.
 
     Attributes:
-        error: why the copy count of some gradient cannot be derived (the first), or None.
+        errors: per gradient, why its copy count cannot be derived (:func:`layout_error`), or
+            None; in input order.
         weights: each gradient's :func:`weight`, in the order asked for.
         coverage: each gradient's :func:`coverage` term, in input order.
+        copies: each gradient's :func:`copies`, in input order.
     """
 
-    error: str | None
+    errors: list[str | None]
     weights: list[float]
     coverage: list[int]
+    copies: list[int]
+
+    @property
+    def error(self) -> str | None:
+        """The first of :attr:`errors`, or None."""
+        return next((e for e in self.errors if e is not None), None)
 
 
 def counts(
-    holding: list[Holding], stages: Stages, distinct: list[frozenset[int] | None], order: list[int]
+    holdings: list[Holding],
+    stages: Stages,
+    distinct: list[frozenset[int] | None],
+    order: list[int],
 ) -> Counts:
     """The :class:`Counts` of a layout, its weights in the order ``order`` (input indices)."""
-    errors = (layout_error(h, stages, d) for h, d in zip(holding, distinct, strict=True))
+    pairs = list(zip(holdings, distinct, strict=True))
     return Counts(
-        error=next((e for e in errors if e is not None), None),
-        weights=[weight(holding[i], stages, distinct[i]) for i in order],
-        coverage=[coverage(h, stages) for h in holding],
+        errors=[layout_error(h, stages, d) for h, d in pairs],
+        weights=[weight(holdings[i], stages, distinct[i]) for i in order],
+        coverage=[coverage(h, stages) for h in holdings],
+        copies=[copies(h, stages, d) for h, d in pairs],
     )
 
 

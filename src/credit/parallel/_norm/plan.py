@@ -204,17 +204,17 @@ def _plan(
     partial, refusal = _partial.batches(holdings)
     error = counts.error or refusal
     copies = _copy_groups.copies_of(
-        holdings, stages, lowest, distinct, request.grads, reducible=error is None
+        holdings, stages, lowest, distinct, request.grads, counts, reducible=error is None
     )
     kind = _kind(holdings, stages, declared)
-    stacked_weights = counts.weights
-    if stages.count > 1 and declared is None and all(h.mesh is None for h in holdings):
-        stacked_weights = [float(dist.get_rank() == lowest)] * len(stacked_weights)  # reference
+    stacked_weights = _stacked_weights(counts.weights, holdings, stages, declared, lowest)
     grads_dtype = _promoted({h.dtype for h in holdings})
     slots = _copy_slots(copies, holdings, stacking.stacked)
     rows = _stage_rows(stages, counts.coverage, error, slots, grads_dtype)
     weights, votes, checks, slot_counts, verification = _on_device([stacked_weights, *rows], device)
     unweighted = all(w == 1.0 for w in stacked_weights)
+    in_groups = [found.process_groups for found in copies]
+    positions, in_groups_constants = _positions(stacking.stacked), _constants(copies, holdings)
     return NormPlan(
         stacking=stacking,
         holdings=holdings,
@@ -227,8 +227,15 @@ def _plan(
         weights=None if unweighted else weights,
         weights_in={} if unweighted else {d: weights.to(d) for d in _WEIGHT_DTYPES},
         verification=verification,
-        copies=_slotted_comparison(copies, slots, stacking, device, stages.count > 1),
-        groups=_grouped_comparison(copies, holdings, stacking, device),
+        copies=_copies.plan(
+            [found.group for found in copies],
+            slots,
+            [groups is None for groups in in_groups],
+            positions,
+            device,
+            carry_limits=stages.count > 1,
+        ),
+        groups=_group_comparison.plan(in_groups, stacking.stacked, in_groups_constants, device),
         pipeline=PipelinePart(votes, checks, slot_counts) if kind is Kind.STAGES else None,
     )
 
@@ -238,6 +245,21 @@ def _promoted(dtypes: set[torch.dtype]) -> torch.dtype:
     if not dtypes:
         return torch.get_default_dtype()
     return functools.reduce(torch.promote_types, dtypes).to_real()
+
+
+def _stacked_weights(
+    weights: list[float],
+    holdings: list[Holding],
+    stages: Stages,
+    declared: list[frozenset[int] | None] | None,
+    lowest: int,
+) -> list[float]:
+    """The weights of the stacked norms: ``1 / copies`` (``ownership.weight``); under pipeline
+    stages, a stage of plain replicas weights its lowest rank's copy 1 and the others 0 (the
+    reference copy's norm, as without stages)."""
+    if stages.count > 1 and declared is None and all(h.mesh is None for h in holdings):
+        return [float(dist.get_rank() == lowest)] * len(weights)
+    return weights
 
 
 def _kind(
@@ -273,41 +295,24 @@ def _copy_slots(copies: list[Copies], holdings: list[Holding], order: list[int])
     return _copies.Slots(slot_of, tau, per_gradient)
 
 
-def _slotted_comparison(
-    copies: list[Copies],
-    slots: _copies.Slots,
-    stacking: Stacking,
-    device: torch.device,
-    carry_limits: bool,
-) -> _copies.Comparison:
-    """How the layout's copies are compared in slots (``copies``); nothing is compared where the
-    layout cannot be reduced (its ranks send zeros beside their flag)."""
-    position_of = [0] * len(copies)
-    for position, index in enumerate(stacking.stacked):
+def _positions(order: list[int]) -> list[int]:
+    """The place of each gradient's norm among a call's stacked norms, from the stacking order
+    ``order`` (input indices)."""
+    position_of = [0] * len(order)
+    for position, index in enumerate(order):
         position_of[index] = position
-    return _copies.plan(
-        [found.group for found in copies],
-        slots,
-        [found.process_groups is None for found in copies],
-        position_of,
-        device,
-        carry_limits=carry_limits,
-    )
+    return position_of
 
 
-def _grouped_comparison(
-    copies: list[Copies], holdings: list[Holding], stacking: Stacking, device: torch.device
-) -> _group_comparison.GroupComparison:
-    """How the gradients compared in process groups enter the comparison
-    (``group_comparison``): each one's copies, tolerance and shard's key."""
-    per_gradient = [
+def _constants(copies: list[Copies], holdings: list[Holding]) -> list[tuple[float, float, float]]:
+    """Per gradient compared in process groups, its copies, their tolerance and its shard's key
+    (zeros for the others), as the group comparison takes them (``group_comparison.plan``)."""
+    return [
         (float(found.count), _copies.tolerance(h.dtype), float(found.slot[0]))
         if found.process_groups is not None
         else (0.0, 0.0, 0.0)
         for found, h in zip(copies, holdings, strict=True)
     ]
-    groups = [found.process_groups for found in copies]
-    return _group_comparison.plan(groups, stacking.stacked, per_gradient, device)
 
 
 def _on_device(rows: list[list[float]], device: torch.device) -> list[Tensor]:

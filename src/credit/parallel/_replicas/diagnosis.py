@@ -155,7 +155,8 @@ def _owner(mine: Held, name: str) -> Owner:
     for layout in (held, plain):
         group = None
         if _ownership.layout_error(layout, mine.stages, mark) is None:
-            group = _copy_groups.copy_group(layout, mine.stages, mine.lowest, mark)
+            copies = _ownership.copies(layout, mine.stages, mark)
+            group = _copy_groups.copy_group(layout, mine.lowest, mark, copies)
         keys.append(group.key if group is not None else None)
     return Owner(description=held.description, key=keys[0], plain_key=keys[1])
 

@@ -151,7 +151,8 @@ def _layout(
     if error is not None:
         return _Layout(stage, (None,) * len(held), (), counts, error)
     groups = tuple(
-        _copy_groups.copy_group(h, stages, min(stage), d) for h, d in zip(held, marks, strict=True)
+        _copy_groups.copy_group(h, min(stage), d, _ownership.copies(h, stages, d))
+        for h, d in zip(held, marks, strict=True)
     )
     members = []
     for i, (h, group) in enumerate(zip(held, groups, strict=True)):
