@@ -129,14 +129,8 @@ def _summed_and_compared(
     every stage's, this stage's in its region (zeros where they do not fit it yet, or without
     local norms), and every rank sends the flag."""
     copies, device = plan.copies, plan.stacking.device
-    rows, offset = _pipeline.section(regions, plan.stages.index, copies.slot_count)
-    norms = torch.zeros(0, 1, dtype=torch.float64, device=device)
-    if stacked is None:
-        offset = None  # nothing to compare: zeros
-    elif offset is not None and copies.compared:
-        norms = stacked.to(torch.float64).index_select(0, copies.positions)[:, None]
-    comparison = _copies.terms_of(copies, norms, rows, offset)
-    flag = _group_comparison.differ_flag(plan.groups, stacked)
+    flag = _group_comparison.differ_flag(plan.groups, stacked)  # the groups' rounds come first
+    comparison = _copies.norm_terms(copies, stacked, regions, plan.stages.index)
     if regions is not None and not flag.numel():
         flag = torch.zeros(1, dtype=torch.float64, device=device)
     vector = torch.cat([values.to(torch.float64), comparison.flatten(), flag])
@@ -288,7 +282,8 @@ def _decided(plan: NormPlan, regions: Regions, decided: list[float]) -> StageDec
         unverified_anywhere=unverified_anywhere > 0,
         copies_differ=differ_anywhere > 0,
         listeners_answered=not unanswered_anywhere > 0,
-        regions=regions.grown(counts),
+        regions=regions,
+        slot_counts=tuple(counts),
     )
 
 

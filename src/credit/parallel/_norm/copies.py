@@ -6,7 +6,7 @@ place: experts kept per expert-parallel rank, pipeline stages passed without ``p
 that train independent models. Averaged as copies, their values would give a wrong norm, the
 same on every rank. So the first call for a layout (and every call in check mode) compares the
 copies by value, in the all_reduce that verifies the layout; every later call compares them
-again with the local norms alone as fingerprints (:func:`terms_of`), in the norm's own
+again with the local norms alone as fingerprints (:func:`norm_terms`), in the norm's own
 all_reduce, since the tensors of a later call may be others of the same shapes.
 
 Each rank takes a fingerprint of each local shard ``x`` (in float64): its L2 norm and
@@ -47,6 +47,7 @@ from torch.nn.utils.rnn import pad_sequence
 from credit.parallel._common.compat import foreach_norm, group_indices_by_device_and_dtype
 from credit.parallel._common.copy_groups import CopyGroup
 from credit.parallel._common.scoped import ScopedCache
+from credit.parallel._norm.pipeline import Regions
 
 _PERIOD = 1021  # the patterns repeat with this prime period, which no tensor dim is likely to share
 _PROJECTIONS = 4
@@ -222,35 +223,63 @@ def terms(
     plan: Comparison,
     local: list[Tensor],
     device: torch.device,
-    rows: int,
-    offset: int | None,
+    regions: Regions | None,
+    stage: int,
 ) -> tuple[Tensor, Tensor]:
-    """This rank's addends of the first call's comparison (full fingerprints), shape
-    (rows, width), and whether a fingerprint was not finite (1.0, else 0.0; then the addends are
-    zeros: NaN and inf cannot be compared), both float64 on ``device``. Nothing is read on the
-    host. ``rows`` and ``offset``: as for :func:`terms_of`.
+    """This rank's addends of the first call's comparison (full fingerprints of ``local``),
+    shape (rows, width), and whether a fingerprint was not finite (1.0, else 0.0; then the
+    addends are zeros: NaN and inf cannot be compared), both float64 on ``device``. Nothing is
+    read on the host. ``regions`` and ``stage``: as for :func:`norm_terms`.
     """
+    rows, offset = _section(regions, stage, plan.slot_count)
     prints = torch.zeros(0, _COLUMNS, dtype=torch.float64, device=device)
     nonfinite = torch.zeros((), dtype=torch.float64, device=device)
     if plan.compared and offset is not None:
         prints = fingerprints([local[i] for i in plan.compared], device)
         found = ~torch.isfinite(prints).all()
         prints, nonfinite = torch.where(found, 0.0, prints), found.to(torch.float64)
-    return terms_of(plan, prints, rows, offset), nonfinite
+    return _addends(plan, prints, rows, offset), nonfinite
 
 
-def terms_of(plan: Comparison, prints: Tensor, rows: int, offset: int | None) -> Tensor:
-    """This rank's addends of the comparison of fingerprints ``prints`` (one row per compared
-    gradient, in float64: full fingerprints, or the local norms alone), shape (rows, width): each
-    column ``f`` and ``f**2`` in the gradient's slot, and under pipeline stages 1 and ``tau``
-    beside them (see :func:`differ`). A NaN or inf fingerprint makes its slot's sums NaN or inf.
+def norm_terms(
+    plan: Comparison, stacked: Tensor | None, regions: Regions | None, stage: int
+) -> Tensor:
+    """This rank's addends of a later call's comparison, the local norms alone as fingerprints:
+    shape (rows, width), zeros without local norms (``stacked``, in stacking order).
 
     Args:
         plan: the layout's comparison.
-        prints: the fingerprints.
-        rows: the slots of the whole comparison (``pipeline.section``).
-        offset: where this stage's slots start among them; None: nowhere, the addends are
-            zeros.
+        stacked: this rank's local norms, or None.
+        regions: under pipeline stages, every stage's slots, as every rank agreed them
+            (``pipeline.Regions``); None within a stage.
+        stage: this rank's stage.
+    """
+    rows, offset = _section(regions, stage, plan.slot_count)
+    norms = torch.zeros(0, 1, dtype=torch.float64, device=plan.limits.device)
+    if stacked is None:
+        offset = None  # nothing to compare: zeros
+    elif offset is not None and plan.compared:
+        norms = stacked.to(torch.float64).index_select(0, plan.positions)[:, None]
+    return _addends(plan, norms, rows, offset)
+
+
+def _section(regions: Regions | None, stage: int, count: int) -> tuple[int, int | None]:
+    """The rows of the comparison a rank sends, and where its stage's ``count`` slots start among
+    them: its stage's slots alone within a single stage (``regions`` None); under pipeline stages
+    every stage's regions, with its own at its region's start where they fit (else None: it
+    sends zeros)."""
+    if regions is None:
+        return count, 0
+    sizes = regions.sizes
+    return sum(sizes), sum(sizes[:stage]) if regions.fits(stage, count) else None
+
+
+def _addends(plan: Comparison, prints: Tensor, rows: int, offset: int | None) -> Tensor:
+    """This rank's addends of the comparison of fingerprints ``prints`` (one row per compared
+    gradient, in float64: full fingerprints, or the local norms alone), shape (rows, width): each
+    column ``f`` and ``f**2`` in the gradient's slot, and under pipeline stages 1 and ``tau``
+    beside them (see :func:`differ`), this stage's slots from ``offset`` (None: nowhere, the
+    addends are zeros). A NaN or inf fingerprint makes its slot's sums NaN or inf.
     """
     columns = prints.shape[1]
     summed = torch.zeros(rows, width(plan, columns), dtype=torch.float64, device=prints.device)
@@ -265,7 +294,7 @@ def terms_of(plan: Comparison, prints: Tensor, rows: int, offset: int | None) ->
 
 
 def differ(summed: Tensor, limits: Tensor | None) -> Tensor:
-    """Whether any slot of :func:`terms_of`, reduced over the world, holds copies that differ
+    """Whether any slot of :func:`terms` or :func:`norm_terms`, reduced over the world, holds copies that differ
     beyond the tolerance (a NaN too): a boolean scalar beside the sums, not read on the host.
 
     Args:

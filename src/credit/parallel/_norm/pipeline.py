@@ -61,15 +61,6 @@ class Regions:
 
     sizes: tuple[int, ...]
 
-    @property
-    def total(self) -> int:
-        """The slots of all the stages: the rows of the comparison every rank sends."""
-        return sum(self.sizes)
-
-    def offset(self, stage: int) -> int:
-        """Where the slots of ``stage`` start."""
-        return sum(self.sizes[:stage])
-
     def fits(self, stage: int, count: int) -> bool:
         """Whether ``count`` slots of ``stage`` fit in its region."""
         return count <= self.sizes[stage]
@@ -79,16 +70,6 @@ class Regions:
         return Regions(
             tuple(max(size, int(count)) for size, count in zip(self.sizes, counts, strict=True))
         )
-
-
-def section(regions: Regions | None, stage: int, count: int) -> tuple[int, int | None]:
-    """The rows of the comparison a rank sends, and where its stage's ``count`` slots start among
-    them: its stage's slots alone within a single stage (``regions`` None); under pipeline stages
-    every stage's regions, with its own at its region's start where they fit (else None: it
-    sends zeros)."""
-    if regions is None:
-        return count, 0
-    return regions.total, regions.offset(stage) if regions.fits(stage, count) else None
 
 
 # Per pipeline group: as many as a process uses (one per model split, in practice).

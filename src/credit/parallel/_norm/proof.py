@@ -46,14 +46,15 @@ def prove_if_due(plan: NormPlan, request: NormRequest) -> None:
 
 def settle_stages(plan: NormPlan, request: NormRequest, decided: StageDecisions) -> None:
     """Under pipeline stages, act on what the stages decided in the norm's all_reduce
-    (``Reduced.stages``): keep the regions every rank read; a layout that failed raises on every
+    (``Reduced.stages``): keep the regions every rank grew by the same counts; a layout that failed raises on every
     rank; a stage that met a new layout has every rank prove it."""
     assert request.pp_group is not None
-    _pipeline.keep(request.pp_group, decided.regions)
+    regions = decided.regions.grown(decided.slot_counts)
+    _pipeline.keep(request.pp_group, regions)
     if decided.layout_failed:
         _failures.raise_layout_failure(plan, request.what)
     if decided.unverified_anywhere:
-        prove(plan, request, decided.regions)
+        prove(plan, request, regions)
 
 
 def prove(plan: NormPlan, request: NormRequest, regions: Regions | None = None) -> None:
@@ -73,11 +74,11 @@ def prove(plan: NormPlan, request: NormRequest, regions: Regions | None = None) 
             taken for copies holds other shards (on every rank).
     """
     copies, device = plan.copies, plan.stacking.device
-    rows, offset = _pipeline.section(regions, plan.stages.index, copies.slot_count)
-    sums, nonfinite = _copies.terms(copies, request.local, device, rows, offset)
+    sums, nonfinite = _copies.terms(copies, request.local, device, regions, plan.stages.index)
     # A stage whose ranks count other slots than its reference rank passed other layouts; a
     # stage with copies in process groups proves them next, and every rank must join.
-    asked = [float(offset is None), float(bool(plan.groups.compared))]
+    unplaced = regions is not None and not regions.fits(plan.stages.index, copies.slot_count)
+    asked = [float(unplaced), float(bool(plan.groups.compared))]
     stated = [torch.full((1,), value, dtype=torch.float64, device=device) for value in asked]
     slot_count = plan.verification.numel() - 1
     vector = torch.cat([plan.verification, nonfinite.reshape(1), *stated, sums.flatten()])

@@ -25,7 +25,9 @@ class StageDecisions:
         unverified_anywhere: some stage met its layout for the first time (or checks it).
         copies_differ: copies differed on some stage while the norm is finite.
         listeners_answered: no rank left a listener's question unanswered (``hooks``).
-        regions: every stage's slots of copies, grown by this call's counts (``pipeline``).
+        regions: every stage's slots of copies, as every rank agreed them before this call
+            (``pipeline``).
+        slot_counts: each stage's count of slots on this call, which grow the regions.
     """
 
     result_dtype: torch.dtype
@@ -34,6 +36,7 @@ class StageDecisions:
     copies_differ: bool
     listeners_answered: bool
     regions: Regions
+    slot_counts: tuple[float, ...]
 
 
 @dataclass(frozen=True)
