@@ -139,7 +139,7 @@ def _summed_and_compared(
     compared = compared.view_as(comparison)
     if not moves_data():
         return sums, compared, torch.zeros((), dtype=torch.bool, device=device)
-    differ = _copies.differ(compared, copies.limits if regions is None else None)
+    differ = _copies.slots_differ(compared, copies.limits if regions is None else None)
     return sums, compared, differ | (flags > 0).any()
 
 

@@ -278,7 +278,7 @@ def _addends(plan: Comparison, prints: Tensor, rows: int, offset: int | None) ->
     """This rank's addends of the comparison of fingerprints ``prints`` (one row per compared
     gradient, in float64: full fingerprints, or the local norms alone), shape (rows, width): each
     column ``f`` and ``f**2`` in the gradient's slot, and under pipeline stages 1 and ``tau``
-    beside them (see :func:`differ`), this stage's slots from ``offset`` (None: nowhere, the
+    beside them (see :func:`slots_differ`), this stage's slots from ``offset`` (None: nowhere, the
     addends are zeros). A NaN or inf fingerprint makes its slot's sums NaN or inf.
     """
     columns = prints.shape[1]
@@ -293,9 +293,10 @@ def _addends(plan: Comparison, prints: Tensor, rows: int, offset: int | None) ->
     return summed
 
 
-def differ(summed: Tensor, limits: Tensor | None) -> Tensor:
-    """Whether any slot of :func:`terms` or :func:`norm_terms`, reduced over the world, holds copies that differ
-    beyond the tolerance (a NaN too): a boolean scalar beside the sums, not read on the host.
+def slots_differ(summed: Tensor, limits: Tensor | None) -> Tensor:
+    """Whether any slot of :func:`terms` or :func:`norm_terms`, reduced over the world, holds
+    copies that differ beyond the tolerance (a NaN too): a boolean scalar beside the sums, not
+    read on the host.
 
     Args:
         summed: the reduced sums.

@@ -142,10 +142,10 @@ def differ_flag(comparison: GroupComparison, stacked: Tensor | None) -> Tensor:
     if stacked is not None:
         prints = stacked.to(torch.float64).index_select(0, comparison.positions)[:, None]
     sums = summed(comparison, torch.cat([prints, prints**2], dim=1))
-    return differ(comparison, sums).to(torch.float64).reshape(1)
+    return _rows_differ(comparison, sums).to(torch.float64).reshape(1)
 
 
-def differ(comparison: GroupComparison, sums: Tensor) -> Tensor:
+def _rows_differ(comparison: GroupComparison, sums: Tensor) -> Tensor:
     """Whether the copies of any row differ, from their reduced ``f`` and ``f**2`` columns."""
     return _copies.grouped_differ(sums, comparison.limits[:, :1], comparison.limits[:, 1:])
 
@@ -165,5 +165,5 @@ def proof_flags(comparison: GroupComparison, local: list[Tensor]) -> tuple[Tenso
     sums = summed(comparison, torch.cat([prints, prints**2, comparison.keys], dim=1))
     prints_summed, (count, key, square) = sums[:, :-3], sums[:, -3:].unbind(1)
     misfit = (count != comparison.limits[:, 0]) | (square * count != key * key)
-    flags = [nonfinite, differ(comparison, prints_summed) & ~nonfinite, misfit.any()]
+    flags = [nonfinite, _rows_differ(comparison, prints_summed) & ~nonfinite, misfit.any()]
     return torch.stack(flags).to(torch.float64), misfit

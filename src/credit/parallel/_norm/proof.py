@@ -88,7 +88,7 @@ def prove(plan: NormPlan, request: NormRequest, regions: Regions | None = None) 
         [
             coverage.abs().ge(0.5).any() | (flags[0] > 0) | (flags[2] > 0),  # exact integers
             flags[1] > 0,
-            _copies.differ(summed.view_as(sums), copies.limits if regions is None else None),
+            _copies.slots_differ(summed.view_as(sums), copies.limits if regions is None else None),
             flags[3] > 0,
         ]
     )
