@@ -261,7 +261,7 @@ def _decided(plan: NormPlan, regions: Regions, decided: list[float]) -> StageDec
     """What the stages decided together, from the reduced numbers read on the host: the
     promotion of the stages' votes for the result dtype (the same on every rank); whether a
     stage's layout failed, or met a layout for the first time, or did not fit its region (then
-    every rank proves it together, ``proof.settle_stages``, each stage's region grown to the
+    every rank proves it together, ``proof.act_on_decisions``, each stage's region grown to the
     slots it counts); whether copies differed; whether no rank left a listener's question
     unanswered (which decides whether a scaler issues a collective of its own later)."""
     stages = plan.stages

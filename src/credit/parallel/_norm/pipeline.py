@@ -14,7 +14,7 @@ all_reduce (each stage's slot count, which every norm's all_reduce under stages 
 same rule. A region only grows, to the largest count its stage has sent. A stage whose layout fits
 its region writes its groups' sums there; one that does not yet fit (a layout with more groups
 than any of its stage before it) writes zeros, and asks for the proof that every rank then joins,
-with the regions grown by that very call (``proof.settle_stages``).
+with the regions grown by that very call (``proof.act_on_decisions``).
 """
 
 from __future__ import annotations

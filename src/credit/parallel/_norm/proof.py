@@ -13,8 +13,8 @@ leaves the copies unproven until a later call: the norm is not finite then anywa
 Within a stage every rank meets a layout on the same call, so the proof runs before the norm's
 collective. Under pipeline stages a rank cannot know when another stage meets a new layout: every
 norm's all_reduce carries the question (and each stage's count of slots, ``pipeline``), and
-the proof runs after it, on every rank, when any stage asks (:func:`settle_stages`), each stage's
-groups in its region of the regions that call agreed.
+the proof runs after it, on every rank, when any stage asks (:func:`act_on_decisions`), each
+stage's groups in its region of the regions that call agreed.
 
 This module alone writes the layout's :class:`~credit.parallel._norm.plan.Proof` and keeps the
 stages' regions. Its host syncs: one read of the verdict per proof, and one more where copies
@@ -44,7 +44,7 @@ def prove_if_due(plan: NormPlan, request: NormRequest) -> None:
         prove(plan, request)
 
 
-def settle_stages(plan: NormPlan, request: NormRequest, decided: StageDecisions) -> None:
+def act_on_decisions(plan: NormPlan, request: NormRequest, decided: StageDecisions) -> None:
     """Under pipeline stages, act on what the stages decided in the norm's all_reduce
     (``Reduced.stages``): keep the regions every rank grew by the same counts; a layout that failed raises on every
     rank; a stage that met a new layout has every rank prove it."""

@@ -1,19 +1,21 @@
 """Gradient norms over any mix of meshes and pipeline stages, in one collective: the hot path.
 
 The one norm behind ``total_grad_norm``, ``get_total_norm``, ``clip_grad_norm_`` and
-``grad_norm_report``, as steps in order, each in a module of its own (the contributor's page,
-``docs/design.rst``, draws them):
+``grad_norm_report``. The public function builds the request (``request``: the arguments, checked
+once, before any collective) and hands it to :func:`reduce`, which runs the steps in order, each
+in a module of its own (the contributor's page, ``docs/design.rst``, draws them):
 
-1. request (``inputs``): the arguments, checked once, before any collective;
-2. plan (``plan``): what the layout holds, built on its first call and kept;
-3. proof (``proof``): the layout proven on its first call, within a stage before the norm;
-4. local norms (``local_norms``): torch's kernels in torch's order, after completing Partial
+1. plan (``plan``): what the layout holds, built on its first call and kept;
+2. proof (``proof``): the layout proven on its first call, within a stage before the norm;
+3. local norms (``local_norms``): torch's kernels in torch's order, after completing Partial
    gradients;
-5. the collective (``collective``): one all_reduce, of a kind per layout;
-6. verdict (``verdict``): copies that differ, raised the same on every rank where reading is
+4. the collective (``collective``): one all_reduce, of a kind per layout; under pipeline stages
+   the proof then acts on what the stages decided (``proof.act_on_decisions``);
+5. verdict (``verdict``): copies that differ, raised the same on every rank where reading is
    free; the listeners (``hooks``: the GradScaler's flags) then read the result, which they
-   never change; then ``error_if_nonfinite``'s read. A clip then scales the gradients (``clip``).
+   never change; then ``error_if_nonfinite``'s read.
 
+A clip then scales the gradients (``clip``), called by the public function after ``reduce``.
 Every rank issues the same collectives, decided by the world, ``pp_group`` and the layout that all
 ranks of a stage share, never by what one rank happens to hold.
 """
@@ -57,8 +59,8 @@ def reduce(
     unanswered = _hooks.unanswered(request.local) if stages else 0
     reduced = _collective.reduce(norms, request, plan, segment_count, unanswered)
     if plan is not None and reduced.stages is not None:
-        _proof.settle_stages(plan, request, reduced.stages.decisions)
-    reduced = _verdict.settle(reduced, request)
+        _proof.act_on_decisions(plan, request, reduced.stages.decisions)
+    reduced = _verdict.raise_where_free(reduced, request)
     _hooks.notify(reduced.normed)
     if request.error_if_nonfinite:
         _verdict.raise_if_nonfinite(reduced, request)

@@ -18,7 +18,7 @@ from credit.parallel._norm.request import NormRequest
 from credit.parallel._norm.results import Reduced
 
 
-def settle(reduced: Reduced, request: NormRequest) -> Reduced:
+def raise_where_free(reduced: Reduced, request: NormRequest) -> Reduced:
     """Raise on every rank where the copies differed and the verdict is free to read (the stages'
     decisions, or a collective on the CPU); the result, with the verdict marked as read there.
     Every rank must call it together."""
@@ -60,7 +60,7 @@ def raise_if_nonfinite(reduced: Reduced, request: NormRequest) -> None:
 def _finite_and_differ(reduced: Reduced) -> tuple[bool, bool]:
     """Whether the total is finite, and whether copies differed, from the call's one read: under
     pipeline stages the stages' read, which brought the total back (their copies' verdict was
-    acted on already, in :func:`settle`); elsewhere one read of the device."""
+    acted on already, in :func:`raise_where_free`); elsewhere one read of the device."""
     if reduced.stages is not None:
         read = reduced.stages.numbers[len(reduced.entries)]
         total = torch.tensor(read, dtype=torch.float64, device="cpu")
