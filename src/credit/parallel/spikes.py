@@ -117,7 +117,7 @@ class SpikePolicy:
             eps,
             restart_after,
         )
-        self._state: _spikes.SpikeState | None = None  # after the last settled step
+        self._state: _spikes.SpikeState | None = None  # after the last entered step
         self._last: _spikes.Decision | None = None  # the last step's, for metrics()
         self._link: _ScalerLink | None = None  # the holding scaler's side of the step
 
