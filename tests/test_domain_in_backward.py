@@ -17,8 +17,10 @@ collectives by CommDebugMode; the clip's by the size of their process group.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +35,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 from world_layouts import WireRecorder
 
+from credit.parallel import _averaging
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.grad_sync import (
     DomainSyncHandle,
@@ -369,3 +372,24 @@ def test_fsdp2_units_under_an_unwrapped_root_are_refused(ranks) -> None:
 def test_a_model_must_be_a_module() -> None:
     with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module"):
         sync_domain_gradients_in_backward([torch.zeros(1)], None)  # type: ignore[arg-type]
+
+
+def test_the_registry_is_reached_through_its_functions_only() -> None:
+    """A handle registers, forgets and looks up its parameters through ``_averaging``'s
+    functions; the registry is no name of the face, and no module but its own names it."""
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    handle = object()
+    assert _averaging.first_averaged_in_backward(params) is None
+    _averaging.register_averaged_in_backward(params[1:], handle)
+    try:
+        assert _averaging.first_averaged_in_backward(params) == 1
+        assert _averaging.first_averaged_in_backward(params[:1]) is None
+    finally:
+        _averaging.unregister_averaged_in_backward(params[1:])
+    assert _averaging.first_averaged_in_backward(params) is None
+    face = {name: value for name, value in vars(_averaging).items() if not name.startswith("__")}
+    assert not any(isinstance(value, MutableMapping) for value in face.values())
+    package = Path(__file__).resolve().parents[1] / "src" / "credit" / "parallel"
+    registry = re.compile(r"(?<!\w)_averaged_in_backward\b")
+    naming = [path for path in package.rglob("*.py") if registry.search(path.read_text())]
+    assert naming == [package / "_averaging" / "in_backward.py"]

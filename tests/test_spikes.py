@@ -25,16 +25,21 @@ departures' purpose (a spike inside the warm-up, early training's fall) in
 
 from __future__ import annotations
 
+import ast
+import collections
 import logging
 import math
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from credit.parallel import _scaler
 from credit.parallel.amp import GradScaler
 from credit.parallel.spikes import SpikePolicy
 
@@ -377,3 +382,115 @@ def test_a_distributed_checkpoint_resumes_the_histories_a_fresh_policy_lacks(tmp
             run.step(norm, loss=norm / 2)
         assert _same_figures(straight.policy.metrics(), resumed.policy.metrics())
     assert resumed.policy.skipped_spikes == 2
+
+
+# --- the scaler's contract with the policy ----------------------------------------------------
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "credit" / "parallel"
+SCALER_SIDE = ("amp.py", "_scaler/spike_policies.py", "_scaler/found_inf.py")
+TORCH_INTERNALS = frozenset({"_values", "_amp_foreach_non_finite_check_and_unscale_"})
+
+
+def _reached_underscores(path: Path) -> list[str]:
+    """The underscore members ``path`` reads on anything but ``self`` and torch's internals."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+            continue
+        if node.attr.startswith("__") or node.attr in TORCH_INTERNALS:
+            continue
+        if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def _attributes(path: Path) -> set[str]:
+    return {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)}
+
+
+def _members(protocol: type) -> set[str]:
+    return {name for name in vars(protocol) if not name.startswith("_")}
+
+
+def test_the_scaler_reaches_a_policy_through_its_protocols_only():
+    policy = SpikePolicy()
+    assert isinstance(policy, _scaler.HeldPolicy)
+    scaler = GradScaler("cpu", scaling=False, spikes=policy)
+    link = policy.attach_scaler(scaler, unscale_first=False)  # the link the scaler holds
+    assert isinstance(link, _scaler.PolicyLink) and policy.scaler is scaler
+    assert _members(_scaler.HeldPolicy) == {"attach_scaler"}
+    assert _members(_scaler.PolicyLink) == {
+        "gradients_unscaled",
+        "skip_flag",
+        "report_spike",
+        "settle",
+    }
+    # The scaler's modules read no underscore member of anything but themselves, and what the
+    # module holding the policies reads of a policy or its link is a protocol's member.
+    for name in SCALER_SIDE:
+        assert _reached_underscores(PACKAGE / name) == []
+    policy_side = {name for name in dir(policy) + dir(link) if not name.startswith("_")}
+    contract = _members(_scaler.HeldPolicy) | _members(_scaler.PolicyLink)
+    assert _attributes(PACKAGE / "_scaler" / "spike_policies.py") & policy_side <= contract
+
+
+def test_reading_a_policy_changes_nothing():
+    """Its properties, metrics and state only read: a policy without a scaler enters each step at
+    its clip, so a policy whose counts were read and one left alone go on alike, under a scaler
+    given to them later too."""
+    read, alone = (SpikePolicy(skip=False, adaptive_clip="zscore", warmup=2) for _ in range(2))
+    params = [nn.Parameter(torch.zeros(1)) for _ in range(2)]
+    for step, norm in enumerate([1.0, 1.1, math.nan, 0.9, 1.0, 40.0]):
+        for policy, param in zip((read, alone), params, strict=True):
+            param.grad = torch.tensor([norm])
+            policy.clip_grad_norm_([param])
+        before = dict(vars(read))
+        counts = (read.skipped_spikes, read.skipped_non_finite, read.restarts)
+        assert (read.scaler, read.skips) == (None, False)
+        read.metrics()
+        read.state_dict()
+        assert vars(read).keys() == before.keys()
+        assert all(vars(read)[key] is value for key, value in before.items())
+        assert counts == (0, int(step >= 2), 0)  # the NaN step counted at its own clip
+    runs = [_Run(policy) for policy in (read, alone)]
+    for run in runs:
+        run.step(1.05)  # the step before stands entered: a clip under the scaler is allowed
+    assert _same_figures(runs[0].policy.metrics(), runs[1].policy.metrics())
+    saved = [run.policy.state_dict() for run in runs]
+    assert torch.equal(saved[0]["statistics"]["mean"], saved[1]["statistics"]["mean"])
+    assert saved[0]["counts"].tolist() == saved[1]["counts"].tolist() == [1, 0, 0]
+
+
+class _Ops(TorchDispatchMode):
+    """How many times each aten op ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_step_answer_is_made_once_a_step(fused):
+    """The world's non-finite answer and the policy's spike flag are combined once per optimizer
+    and step (one maximum: unscale_ made the local check), taken or skipped, and read by
+    ``step``, the optimizer's step and the skipped spike's report alike."""
+    policy = SpikePolicy(warmup=5)
+    param = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0, fused=fused or None)
+    scaler = GradScaler("cpu", init_scale=4.0, growth_interval=1000, spikes=policy)
+    for norm in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 100.0]:
+        scaler.scale(torch.ones(()))
+        param.grad = torch.tensor([norm * scaler.get_scale()])
+        scaler.unscale_(optimizer)
+        policy.clip_grad_norm_([param])
+        before = param.detach().clone()
+        with _Ops() as ops:
+            scaler.step(optimizer)
+        scaler.update()
+        assert ops.counts["aten.maximum"] == 1
+        assert torch.equal(param.detach(), before) is (norm == 100.0)
+    assert (policy.skipped_spikes, scaler.skipped_steps, scaler.get_scale()) == (1, 1, 4.0)

@@ -135,6 +135,7 @@ class GradScaler(torch.amp.GradScaler):
             )
         self.scaling = scaling
         self._flags = _scaler.StepFlags()  # one per optimizer, from unscale_ to update()
+        self._step_answers: dict[int, Tensor] = {}  # each optimizer's, made once a step
         self._skipped_steps = _scaler.SkippedSteps(model)
         self._spikes = _scaler.SpikePolicies(spikes, self, scaling)
 
@@ -188,20 +189,18 @@ class GradScaler(torch.amp.GradScaler):
 
     # --- the world's answer --------------------------------------------------------------------
 
-    def _decide(self, key: int) -> Tensor:
-        """The world's answer for optimizer ``key``'s gradients, written where torch reads it."""
-        answer = self._flags.world_answer(key)
-        self._per_optimizer_states[key]["found_inf_per_device"] = {answer.device: answer}
-        return answer
-
     def _step_answer(self, key: int) -> Tensor:
-        """Whether optimizer ``key`` skips its step: a NaN or inf, or a spike (1.0 or 0.0, which
-        fused optimizers compare with 1), written where torch's step reads it. ``update`` writes
-        the non-finite answer alone back for the scale."""
-        answer = self._decide(key)
-        spike = self._spikes.flag(key)
-        if spike is not None:
-            answer = torch.maximum(answer, spike.to(answer.device))
+        """Whether optimizer ``key`` skips its step: the world's non-finite answer, or a spike of
+        its policy (1.0 or 0.0, which fused optimizers compare with 1), written where torch's
+        step reads it. Made once a step, at its first call; later calls of the step return it.
+        ``update`` writes the non-finite answer alone back for the scale."""
+        answer = self._step_answers.get(key)
+        if answer is None:
+            answer = self._flags.world_answer(key)
+            spike = self._spikes.flag(key)
+            if spike is not None:
+                answer = torch.maximum(answer, spike.to(answer.device))
+            self._step_answers[key] = answer
             self._per_optimizer_states[key]["found_inf_per_device"] = {answer.device: answer}
         return answer
 
@@ -238,8 +237,8 @@ class GradScaler(torch.amp.GradScaler):
         key = id(optimizer)
         if self._step_answer(key).item():  # the host sync torch's own step makes here
             flag = self._flags.get(key)
-            assert flag is not None  # _decide read it
-            if self._decide(key).item():  # a second read, on a skipped step only
+            assert flag is not None  # the step's answer read it
+            if self._flags.world_answer(key).item():  # a second read, on a skipped step only
                 self._skipped_steps.report(optimizer, flag)
             else:
                 self._spikes.report(key)
@@ -257,9 +256,12 @@ class GradScaler(torch.amp.GradScaler):
             return
         if new_scale is not None and not self.scaling:
             raise ValueError("a GradScaler with scaling=False keeps its scale at 1.0")
-        non_finite = {key: self._decide(key) for key in self._flags.optimizers()}
+        non_finite = {key: self._flags.world_answer(key) for key in self._flags.optimizers()}
+        for key, answer in non_finite.items():  # the scale backs off for a NaN or inf alone
+            self._per_optimizer_states[key]["found_inf_per_device"] = {answer.device: answer}
         spikes = self._spikes.settle(non_finite)
         self._flags.clear()
+        self._step_answers.clear()
         answers = _answers(self._per_optimizer_states, spikes)
         if answers:
             self._skipped_steps.count(answers)

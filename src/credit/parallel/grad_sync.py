@@ -182,8 +182,7 @@ class DomainSyncHandle:
         self._params = params
         self.kind = backend.kind
         self.active = bool(params)
-        for param in params:
-            _averaging.averaged_in_backward[param] = self
+        _averaging.register_averaged_in_backward(params, self)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Whether the next backward reduces gradients (False on micro-steps before a boundary).
@@ -207,8 +206,7 @@ class DomainSyncHandle:
         if not self.active:
             return
         self._backend.detach()
-        for param in self._params:
-            _averaging.averaged_in_backward.pop(param, None)
+        _averaging.unregister_averaged_in_backward(self._params)
         self._params, self.active = [], False
 
 

@@ -20,14 +20,14 @@ to take or skip the step to the :class:`~credit.parallel.amp.GradScaler` it was 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from credit.parallel import _norm, _spikes
+from credit.parallel import _norm, _scaler, _spikes
 from credit.parallel._common import inputs as _inputs
 from credit.parallel._common.groups import GroupLike, collective_device
 from credit.parallel._common.inputs import DistinctAlong, TensorOrTensors
@@ -117,18 +117,15 @@ class SpikePolicy:
             eps,
             restart_after,
         )
-        self._state: _spikes.SpikeState | None = None
-        self._pending: _spikes.Decision | None = None
-        self._last: _spikes.Decision | None = None
-        self._scaler: object | None = None
-        self._unscale_first = False  # the scaler scales: its clip waits for unscale_
-        self._gradients_unscaled = False
+        self._state: _spikes.SpikeState | None = None  # after the last entered step
+        self._last: _spikes.Decision | None = None  # the last step's, for metrics()
+        self._link: _ScalerLink | None = None  # the holding scaler's side of the step
 
     @property
     def scaler(self) -> object | None:
         """The :class:`~credit.parallel.amp.GradScaler` holding this policy (which skips the steps
         it decides are spikes), or None."""
-        return self._scaler
+        return None if self._link is None else self._link.scaler
 
     @property
     def skips(self) -> bool:
@@ -227,7 +224,11 @@ class SpikePolicy:
             bound = _inputs.clip_bound(decision.bound)
             _norm.scale_(reduced.local, reduced.stacking, total, bound, foreach)
         self._state = replace(state, steps=observed.step, with_loss=world_loss.read)
-        self._pending = self._last = decision
+        self._last = decision
+        if self._link is None:
+            self._enter(decision, None)  # without a scaler, nothing but the clip ends the step
+        else:
+            self._link.pending = decision  # entered at the scaler's update()
         return total
 
     # --- what the trainer may read ---------------------------------------------------------
@@ -281,8 +282,7 @@ class SpikePolicy:
         Raises:
             RuntimeError: a step is still undecided (called between the clip and ``update()``).
         """
-        self._settle_alone()
-        if self._pending is not None:
+        if self._link is not None and self._link.pending is not None:
             raise RuntimeError(
                 "SpikePolicy.state_dict() was called between clip_grad_norm_ and the "
                 "GradScaler's update(): call it after update(), so the step is in the state"
@@ -302,52 +302,56 @@ class SpikePolicy:
                 or an entry is missing.
         """
         self._state = _spikes.loaded(self.settings, state_dict)
-        self._pending = self._last = None
+        self._last = None
+        if self._link is not None:
+            self._link.pending = None
 
     # --- the GradScaler's side -------------------------------------------------------------
 
-    def _held_by(self, scaler: object, unscale_first: bool) -> None:
-        if self._scaler is not None and self._scaler is not scaler:
+    def attach_scaler(self, scaler: object, *, unscale_first: bool) -> _scaler.PolicyLink:
+        """Be held by ``scaler``: the :class:`~credit.parallel.amp.GradScaler` built with
+        ``spikes=policy`` calls it once, and from then on takes the steps' decisions through the
+        link returned (the scaler's contract with a policy). A trainer does not call it.
+
+        Args:
+            scaler: the scaler holding the policy.
+            unscale_first: whether the scaler scales the loss: the clip then raises when it
+                comes before ``scaler.unscale_``.
+
+        Returns:
+            The policy's side of each step: whether it skips the step, the report of a skipped
+            spike, and the step's end, when the world's non-finite answer is known.
+
+        Raises:
+            ValueError: another scaler holds the policy already.
+        """
+        if self._link is not None and self._link.scaler is not scaler:
             raise ValueError("this SpikePolicy is already held by another GradScaler")
-        self._scaler = scaler
-        self._unscale_first = unscale_first
+        if self._link is None:
+            self._link = _ScalerLink(scaler, self.settings, self._enter)
+        self._link.unscale_first = unscale_first
+        return self._link
 
-    def _unscaled(self) -> None:
-        """The scaler unscaled the gradients of this step (all of this policy's optimizers)."""
-        self._gradients_unscaled = True
-
-    def _skip_flag(self) -> Tensor | None:
-        """1.0 when the undecided step is skipped (a spike, or a norm or loss that is not
-        finite), 0.0 when not; None without one."""
-        return None if self._pending is None else self._pending.skip
-
-    def _report_spike(self) -> None:
-        if self._pending is not None:
-            _spikes.report_spike(self.settings, self._pending)
-
-    def _settle(self, non_finite: Tensor | None) -> None:
-        """Enter the undecided step, which the world's ``non_finite`` answer skipped or not."""
-        self._gradients_unscaled = False
-        if self._pending is None or self._state is None:
-            return
-        self._state = _spikes.settled(self.settings, self._state, self._pending, non_finite)
-        self._pending = None
+    def _enter(self, decision: _spikes.Decision, non_finite: Tensor | None) -> None:
+        """Enter the step of ``decision``, which the world's ``non_finite`` answer (None without
+        a scaler) skipped or not, into the state."""
+        assert self._state is not None  # the clip that decided set it
+        self._state = _spikes.settled(self.settings, self._state, decision, non_finite)
 
     # --- helpers ---------------------------------------------------------------------------
 
     def _begin_step(self) -> None:
-        """Refuse a call the step's sequence does not allow, before any collective. Without a
-        scaler, each call is a step, and settles the one before it."""
-        if self._scaler is None:
+        """Refuse a call the step's sequence does not allow, before any collective."""
+        link = self._link
+        if link is None:
             if self.skips:
                 raise RuntimeError(
                     "a SpikePolicy that skips steps decides for a GradScaler: build it with "
                     "GradScaler(..., spikes=policy) (scaling=False for bf16 or float32), or "
                     "pass skip=False and no skip_above for an adaptive clip alone"
                 )
-            self._settle(None)
             return
-        if self._pending is not None:
+        if link.pending is not None:
             raise RuntimeError(
                 "SpikePolicy.clip_grad_norm_ was called twice in one step (since the "
                 "GradScaler's last update()): the policy decides once a step, on the norm of "
@@ -355,7 +359,7 @@ class SpikePolicy:
                 "optimizer clipped apart its own policy (GradScaler(spikes={optimizer: "
                 "policy})), and call scaler.update() after every step. No gradient was modified."
             )
-        if self._unscale_first and not self._gradients_unscaled:
+        if link.unscale_first and not link.unscaled:
             raise RuntimeError(
                 "SpikePolicy.clip_grad_norm_ came before scaler.unscale_(optimizer): the "
                 "gradients still carry the loss scale, so the policy would read (and keep in its "
@@ -364,19 +368,60 @@ class SpikePolicy:
                 "was modified."
             )
 
-    def _settle_alone(self) -> None:
-        """Without a scaler, a step is settled by the next (only a non-finite norm skips it)."""
-        if self._scaler is None:
-            self._settle(None)
-
     def _state_on(self, device: torch.device) -> _spikes.SpikeState:
         if self._state is None:
             return _spikes.initial(self.settings, device)
         return self._state.on(device)
 
     def _skipped(self, count: int) -> int:
-        self._settle_alone()
         return 0 if self._state is None else int(self._state.counts[count].item())
+
+
+class _ScalerLink:
+    """A policy's side of the steps of the GradScaler holding it (``_scaler.PolicyLink``): the
+    step decided and not yet entered, and whether the scaler unscaled its gradients.
+
+    Attributes:
+        scaler: the scaler holding the policy.
+        unscale_first: whether the scaler scales: the clip waits for ``unscale_``.
+        unscaled: whether the scaler unscaled this step's gradients.
+        pending: the decision of the step the clip took, until the scaler's ``update``.
+    """
+
+    def __init__(
+        self,
+        scaler: object,
+        settings: _spikes.SpikeSettings,
+        enter: Callable[[_spikes.Decision, Tensor | None], None],
+    ) -> None:
+        self.scaler = scaler
+        self.unscale_first = False
+        self.unscaled = False
+        self.pending: _spikes.Decision | None = None
+        self._settings = settings
+        self._enter = enter
+
+    def gradients_unscaled(self) -> None:
+        """The scaler unscaled the gradients of this step (all of this policy's optimizers)."""
+        self.unscaled = True
+
+    def skip_flag(self) -> Tensor | None:
+        """1.0 when the undecided step is skipped (a spike, or a norm or loss that is not
+        finite), 0.0 when not; None without one."""
+        return None if self.pending is None else self.pending.skip
+
+    def report_spike(self) -> None:
+        """Warn on rank 0 of the undecided step's spike, which the scaler skipped."""
+        if self.pending is not None:
+            _spikes.report_spike(self._settings, self.pending)
+
+    def settle(self, non_finite: Tensor | None) -> None:
+        """End the step: enter the undecided one, which the world's ``non_finite`` answer
+        skipped or not."""
+        self.unscaled = False
+        if self.pending is not None:
+            self._enter(self.pending, non_finite)
+            self.pending = None
 
 
 def _ceiling(max_norm: object) -> float | None:

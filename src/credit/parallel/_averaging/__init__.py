@@ -6,9 +6,10 @@
 from credit.parallel._averaging.average import DEFAULT_BUCKET_CAP_MB, average_grads, average_tensor
 from credit.parallel._averaging.in_backward import (
     Backend,
-    averaged_in_backward,
     backend_for,
     first_averaged_in_backward,
+    register_averaged_in_backward,
+    unregister_averaged_in_backward,
 )
 
 __all__ = [
@@ -16,7 +17,8 @@ __all__ = [
     "Backend",
     "average_grads",
     "average_tensor",
-    "averaged_in_backward",
     "backend_for",
     "first_averaged_in_backward",
+    "register_averaged_in_backward",
+    "unregister_averaged_in_backward",
 ]

@@ -2,7 +2,9 @@
 
 The machinery behind :func:`credit.parallel.grad_sync.sync_domain_gradients_in_backward`: one
 :class:`Backend` per kind of model (FSDP2, DDP, a plain model), and the registry of parameters that
-a live handle averages, which the explicit sync consults to refuse averaging twice.
+a live handle averages, which the explicit sync consults to refuse averaging twice. The registry is
+kept here and reached only through :func:`register_averaged_in_backward`,
+:func:`unregister_averaged_in_backward` and :func:`first_averaged_in_backward`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from credit.parallel._common.compat import queue_at_end_of_backward
 
 # Parameters whose gradients a live handle averages inside backward, mapped to the handle; weakly
 # held, so a model dropped without remove() is not kept alive.
-averaged_in_backward: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_averaged_in_backward: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class Backend(Protocol):
@@ -47,11 +49,23 @@ def backend_for(model: nn.Module, group: ProcessGroup | None) -> Backend:
     return PlainBackend(model, group)
 
 
+def register_averaged_in_backward(params: list[Tensor], handle: object) -> None:
+    """Record that ``handle`` averages the gradients of ``params`` inside backward."""
+    for param in params:
+        _averaged_in_backward[param] = handle
+
+
+def unregister_averaged_in_backward(params: list[Tensor]) -> None:
+    """Forget ``params``: no handle averages them inside backward any more."""
+    for param in params:
+        _averaged_in_backward.pop(param, None)
+
+
 def first_averaged_in_backward(params: list[Tensor]) -> int | None:
     """The index of the first of ``params`` that a live handle averages inside backward."""
-    if not averaged_in_backward:
+    if not _averaged_in_backward:
         return None
-    return next((i for i, param in enumerate(params) if param in averaged_in_backward), None)
+    return next((i for i, param in enumerate(params) if param in _averaged_in_backward), None)
 
 
 class FSDP2Backend:

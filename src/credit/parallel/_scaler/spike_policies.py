@@ -1,31 +1,46 @@
 """The spike policies a GradScaler holds, by optimizer: whose skip each step's answer takes in.
 
-A policy (``credit.parallel.spikes.SpikePolicy``) decides during the step, in its clip; the
-scaler asks here, at ``step``, whether an optimizer's policy decided a spike, and hands the
-world's non-finite answers back at ``update``, when the policy's histories take in the step.
+The scaler and a policy meet through the two protocols below, and through nothing else: the
+scaler attaches itself to each policy it is given (:class:`HeldPolicy`, which
+``credit.parallel.spikes.SpikePolicy`` implements) and from then on speaks to the
+:class:`PolicyLink` the policy hands back. A policy decides during the step, in its clip; the
+scaler asks the link, at ``step``, whether the policy decided a spike, and hands it the world's
+non-finite answer at ``update``, when the policy's histories take in the step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 
-class Policy(Protocol):
-    """What the scaler asks of a spike policy."""
+@runtime_checkable
+class PolicyLink(Protocol):
+    """What the scaler asks of a policy it holds, once attached: the policy's side of a step."""
 
-    def _held_by(self, scaler: object, unscale_first: bool) -> None: ...
+    def gradients_unscaled(self) -> None:
+        """The scaler unscaled the gradients of every optimizer the policy decides for."""
 
-    def _unscaled(self) -> None: ...
+    def skip_flag(self) -> Tensor | None:
+        """1.0 when the policy skips the undecided step, 0.0 when not; None without one."""
 
-    def _skip_flag(self) -> Tensor | None: ...
+    def report_spike(self) -> None:
+        """Report the undecided step's spike, which the scaler skipped."""
 
-    def _report_spike(self) -> None: ...
+    def settle(self, non_finite: Tensor | None) -> None:
+        """Enter the undecided step, which the world's ``non_finite`` answer skipped or not."""
 
-    def _settle(self, non_finite: Tensor | None) -> None: ...
+
+@runtime_checkable
+class HeldPolicy(Protocol):
+    """What a GradScaler's ``spikes`` must be: a policy the scaler attaches itself to."""
+
+    def attach_scaler(self, scaler: object, *, unscale_first: bool) -> PolicyLink:
+        """Be held by ``scaler`` (which scales, and unscales before the clip, when
+        ``unscale_first``), and return the link the scaler speaks to from then on."""
 
 
 class SpikePolicies:
@@ -39,23 +54,25 @@ class SpikePolicies:
 
     Raises:
         TypeError: ``spikes`` is none of these.
+        ValueError: a policy is held by another scaler already.
     """
 
     def __init__(self, spikes: object, scaler: object, scaling: bool) -> None:
-        self._every: Policy | None = None
-        self._by_optimizer: dict[int, tuple[torch.optim.Optimizer, Policy]] = {}
+        self._every: HeldPolicy | None = None
+        self._by_optimizer: dict[int, tuple[torch.optim.Optimizer, HeldPolicy]] = {}
         if isinstance(spikes, Mapping):
             for optimizer, policy in spikes.items():
-                _check(policy, f"spikes[{type(optimizer).__name__}]")
+                held = _checked(policy, f"spikes[{type(optimizer).__name__}]")
                 if not isinstance(optimizer, torch.optim.Optimizer):
                     raise TypeError(f"spikes' keys must be optimizers, got {optimizer!r}")
-                self._by_optimizer[id(optimizer)] = (optimizer, policy)
+                self._by_optimizer[id(optimizer)] = (optimizer, held)
         elif spikes is not None:
-            _check(spikes, "spikes")
-            self._every = spikes  # type: ignore[assignment]
+            self._every = _checked(spikes, "spikes")
         self._unscaled: set[int] = set()  # optimizers unscaled since the last update
-        for policy in self._policies():
-            policy._held_by(scaler, unscale_first=scaling)
+        self._links = {
+            id(policy): policy.attach_scaler(scaler, unscale_first=scaling)
+            for policy in self._policies()
+        }
 
     def unscaled(self, key: int) -> None:
         """Tell the policies that optimizer ``key``'s gradients are unscaled: a policy may clip
@@ -64,62 +81,74 @@ class SpikePolicies:
         for policy in self._policies():
             keys = self._keys_of(policy)
             if keys is None or self._unscaled.issuperset(keys):
-                policy._unscaled()
+                self._links[id(policy)].gradients_unscaled()
 
     def flag(self, key: int) -> Tensor | None:
         """1.0 when the policy of optimizer ``key`` decided this step a spike; None without one."""
-        policy = self._policy(key)
-        return None if policy is None else policy._skip_flag()
+        link = self._link(key)
+        return None if link is None else link.skip_flag()
 
     def report(self, key: int) -> None:
         """Report the spike that optimizer ``key`` skipped (its answer was read already)."""
-        policy = self._policy(key)
-        if policy is not None:
-            policy._report_spike()
+        link = self._link(key)
+        if link is not None:
+            link.report_spike()
 
     def settle(self, non_finite: dict[int, Tensor]) -> dict[int, Tensor]:
         """Hand each policy the world's non-finite answer of its optimizers, and return the spike
         flag of each of those optimizers (for the count of skipped steps)."""
         flags: dict[int, Tensor] = {}
         for policy in self._policies():
+            link = self._links[id(policy)]
             keys = [key for key in non_finite if self._policy(key) is policy]
-            flag = policy._skip_flag()
+            flag = link.skip_flag()
             if flag is not None:
                 flags.update(dict.fromkeys(keys, flag))
-            answers = [non_finite[key] for key in keys]
-            device = answers[0].device if answers else None
-            together = torch.stack([a.to(device) for a in answers]).amax() if answers else None
-            policy._settle(together)
+            link.settle(_together([non_finite[key] for key in keys]))
         self._unscaled.clear()
         return flags
 
-    def _keys_of(self, policy: Policy) -> list[int] | None:
-        """The optimizers ``policy`` decides for, or None when it decides for every one."""
-        if self._every is not None:
-            return None
-        return [key for key, (_, held) in self._by_optimizer.items() if held is policy]
-
-    def policy_of(self, optimizer: torch.optim.Optimizer | None) -> Policy | None:
+    def policy_of(self, optimizer: torch.optim.Optimizer | None) -> HeldPolicy | None:
         """The policy deciding for ``optimizer``, or for every optimizer when it is None."""
         if optimizer is None:
             return self._every
         return self._policy(id(optimizer))
 
-    def _policy(self, key: int) -> Policy | None:
+    def _keys_of(self, policy: HeldPolicy) -> list[int] | None:
+        """The optimizers ``policy`` decides for, or None when it decides for every one."""
+        if self._every is not None:
+            return None
+        return [key for key, (_, held) in self._by_optimizer.items() if held is policy]
+
+    def _policy(self, key: int) -> HeldPolicy | None:
         if self._every is not None:
             return self._every
         held = self._by_optimizer.get(key)
         return None if held is None else held[1]
 
-    def _policies(self) -> list[Policy]:
+    def _link(self, key: int) -> PolicyLink | None:
+        policy = self._policy(key)
+        return None if policy is None else self._links[id(policy)]
+
+    def _policies(self) -> list[HeldPolicy]:
         if self._every is not None:
             return [self._every]
-        unique: dict[int, Policy] = {}
+        unique: dict[int, HeldPolicy] = {}
         for _, policy in self._by_optimizer.values():
             unique.setdefault(id(policy), policy)
         return list(unique.values())
 
 
-def _check(policy: object, argument: str) -> None:
-    if not all(hasattr(policy, name) for name in ("_skip_flag", "_settle", "_held_by")):
+def _together(answers: list[Tensor]) -> Tensor | None:
+    """One non-finite answer for several optimizers (1.0 when any is 1.0), or None for none."""
+    if not answers:
+        return None
+    device = answers[0].device
+    return torch.stack([answer.to(device) for answer in answers]).amax()
+
+
+def _checked(policy: object, argument: str) -> HeldPolicy:
+    """``policy``, which must implement :class:`HeldPolicy` (TypeError naming ``argument``)."""
+    if not isinstance(policy, HeldPolicy):
         raise TypeError(f"{argument} must be a SpikePolicy, got {type(policy).__name__}")
+    return policy
