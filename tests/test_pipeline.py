@@ -276,7 +276,7 @@ def _stages_with_different_dtypes() -> tuple[int, bool, str]:
     reference_grads = all_stages(stage, [g.double() for g in stage_grads])
     ours = total_grad_norm(stage_grads, 2.0, pp_group=pp_dp["pp"])
     reference = torch.nn.utils.get_total_norm(reference_grads, 2.0)
-    # Normed in bf16, as torch norms bf16 gradients: within 8 bf16 ULPs relative (8 * 2**-8) of
+    # NormEvent in bf16, as torch norms bf16 gradients: within 8 bf16 ULPs relative (8 * 2**-8) of
     # the fp64 reference, each of the few roundings to bf16 (per-gradient norm, result) being
     # within half a bf16 ULP (see test_properties.py).
     close = abs(float(ours) - float(reference)) <= 8 * 2**-8 * float(reference)

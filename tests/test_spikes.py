@@ -423,7 +423,7 @@ def test_the_scaler_reaches_a_policy_through_its_protocols_only():
         "gradients_unscaled",
         "skip_flag",
         "report_spike",
-        "settle",
+        "end_step",
     }
     # The scaler's modules read no underscore member of anything but themselves, and what the
     # module holding the policies reads of a policy or its link is a protocol's member.

@@ -259,7 +259,7 @@ class GradScaler(torch.amp.GradScaler):
         non_finite = {key: self._flags.world_answer(key) for key in self._flags.optimizers()}
         for key, answer in non_finite.items():  # the scale backs off for a NaN or inf alone
             self._per_optimizer_states[key]["found_inf_per_device"] = {answer.device: answer}
-        spikes = self._spikes.settle(non_finite)
+        spikes = self._spikes.end_step(non_finite)
         self._flags.clear()
         self._step_answers.clear()
         answers = _answers(self._per_optimizer_states, spikes)

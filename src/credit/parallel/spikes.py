@@ -336,7 +336,7 @@ class SpikePolicy:
         """Enter the step of ``decision``, which the world's ``non_finite`` answer (None without
         a scaler) skipped or not, into the state."""
         assert self._state is not None  # the clip that decided set it
-        self._state = _spikes.settled(self.settings, self._state, decision, non_finite)
+        self._state = _spikes.after_step(self.settings, self._state, decision, non_finite)
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -415,7 +415,7 @@ class _ScalerLink:
         if self.pending is not None:
             _spikes.report_spike(self._settings, self.pending)
 
-    def settle(self, non_finite: Tensor | None) -> None:
+    def end_step(self, non_finite: Tensor | None) -> None:
         """End the step: enter the undecided one, which the world's ``non_finite`` answer
         skipped or not."""
         self.unscaled = False

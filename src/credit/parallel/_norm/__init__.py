@@ -5,7 +5,7 @@ integrations import the names below, never the steps' modules.
 """
 
 from credit.parallel._norm.clip import scale_
-from credit.parallel._norm.hooks import Normed, attach, detach
+from credit.parallel._norm.hooks import NormEvent, attach, detach
 from credit.parallel._norm.request import (
     NormRequest,
     checked_norm_type,
@@ -18,8 +18,8 @@ from credit.parallel._norm.steps import reduce
 from credit.parallel._norm.verdict import raise_if_copies_differ
 
 __all__ = [
+    "NormEvent",
     "NormRequest",
-    "Normed",
     "Reduced",
     "attach",
     "checked_norm_type",

@@ -22,7 +22,7 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
-class Normed:
+class NormEvent:
     """What one norm call saw on this rank and, where it reduced over the world, found.
 
     Attributes:
@@ -59,7 +59,7 @@ class NormListener(Protocol):
         questions a norm of ``local`` could not answer on this rank (0 when it can answer all)."""
         ...
 
-    def normed(self, normed: Normed) -> None:
+    def normed(self, normed: NormEvent) -> None:
         """After every norm, on every rank."""
         ...
 
@@ -94,7 +94,7 @@ def unanswered(local: list[Tensor]) -> int:
     return sum(listener.unanswered(local) for listener in _attached)
 
 
-def notify(normed: Callable[[], Normed]) -> None:
+def notify(normed: Callable[[], NormEvent]) -> None:
     """Hand every attached listener what a norm saw, built by ``normed`` only if one listens."""
     if not _attached:
         return

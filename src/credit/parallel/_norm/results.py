@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from credit.parallel._norm.hooks import Normed
+from credit.parallel._norm.hooks import NormEvent
 from credit.parallel._norm.pipeline import Regions
 from credit.parallel._norm.plan import NormPlan
 from credit.parallel._norm.stacking import Stacking
@@ -68,7 +68,7 @@ class Reduced:
         local_norms: this rank's norm of each local tensor (before any reduction), in stacking
             order; None without any.
         answers_world: whether listeners may read the world's answers from it (see
-            ``hooks.Normed``).
+            ``hooks.NormEvent``).
         plan: the layout's plan, for a norm over ranks.
         differ: whether the ranks taken for copies held different values on this call while
             every value was finite (the total is NaN then): a boolean scalar on the device,
@@ -87,10 +87,10 @@ class Reduced:
     differ: Tensor | None = None
     stages: StagesRead | None = None
 
-    def normed(self) -> Normed:
+    def normed(self) -> NormEvent:
         """What the listeners (``hooks``) read of this norm."""
         per_gradient = self.answers_world and self.stages is None and self.stacking.stacked
-        return Normed(
+        return NormEvent(
             local=self.local,
             local_norms=self.local_norms,
             stacked_inputs=self.stacking.stacked if self.local_norms is not None else [],

@@ -74,7 +74,7 @@ class Flag:
     local: Tensor | None = None
     world: Tensor | None = None
     spoiled: Tensor | None = None
-    seen: list[_norm.Normed] = field(default_factory=list)
+    seen: list[_norm.NormEvent] = field(default_factory=list)
 
 
 class StepFlags:
@@ -124,7 +124,7 @@ class StepFlags:
         where = _Where(local)
         return sum(where.inputs(flag.grads) is None for flag in self._pending())
 
-    def normed(self, normed: _norm.Normed) -> None:
+    def normed(self, normed: _norm.NormEvent) -> None:
         for flag in self._flags.values():
             flag.seen.append(normed)
         pending = self._pending()
@@ -177,7 +177,7 @@ def nonfinite(flag: Flag) -> list[bool]:
     return found
 
 
-def _nonfinite(normed: _norm.Normed, inputs: list[int]) -> Tensor:
+def _nonfinite(normed: _norm.NormEvent, inputs: list[int]) -> Tensor:
     """Whether the world's norm of any gradient ``inputs`` of ``normed`` is non-finite: 1.0 or 0.0
     (the total's answer under pipeline stages, which reduce no norm per gradient)."""
     if normed.entries is None:
@@ -235,7 +235,7 @@ class _Where:
 class _Seen:
     """This rank's norm of each gradient one norm saw, found as :class:`_Where` finds them."""
 
-    def __init__(self, normed: _norm.Normed) -> None:
+    def __init__(self, normed: _norm.NormEvent) -> None:
         self._where = _Where(normed.local)
         self._norms = normed.local_norms
         self._position = {index: position for position, index in enumerate(normed.stacked_inputs)}

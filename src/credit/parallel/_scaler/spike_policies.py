@@ -30,7 +30,7 @@ class PolicyLink(Protocol):
     def report_spike(self) -> None:
         """Report the undecided step's spike, which the scaler skipped."""
 
-    def settle(self, non_finite: Tensor | None) -> None:
+    def end_step(self, non_finite: Tensor | None) -> None:
         """Enter the undecided step, which the world's ``non_finite`` answer skipped or not."""
 
 
@@ -94,7 +94,7 @@ class SpikePolicies:
         if link is not None:
             link.report_spike()
 
-    def settle(self, non_finite: dict[int, Tensor]) -> dict[int, Tensor]:
+    def end_step(self, non_finite: dict[int, Tensor]) -> dict[int, Tensor]:
         """Hand each policy the world's non-finite answer of its optimizers, and return the spike
         flag of each of those optimizers (for the count of skipped steps)."""
         flags: dict[int, Tensor] = {}
@@ -104,7 +104,7 @@ class SpikePolicies:
             flag = link.skip_flag()
             if flag is not None:
                 flags.update(dict.fromkeys(keys, flag))
-            link.settle(_together([non_finite[key] for key in keys]))
+            link.end_step(_together([non_finite[key] for key in keys]))
         self._unscaled.clear()
         return flags
 

@@ -1,7 +1,7 @@
 """Gradient spikes: the histories of a step's norm and loss, and the decision each step takes.
 
 ``world_loss`` takes the step's loss from the ranks that give one; ``decide`` reads a step
-against the histories before it; ``settled`` enters a taken step into
+against the histories before it; ``after_step`` enters a taken step into
 them; ``report_spike`` tells rank 0 of a skipped one. The public ``SpikePolicy`` strings them
 together; the ``GradScaler`` skips the steps they decide.
 """
@@ -15,9 +15,9 @@ from credit.parallel._spikes.state import (
     RESTARTS,
     SPIKE,
     SpikeState,
+    after_step,
     initial,
     loaded,
-    settled,
     state_dict,
 )
 
@@ -30,12 +30,12 @@ __all__ = [
     "SpikeSettings",
     "SpikeState",
     "WorldLoss",
+    "after_step",
     "checked_settings",
     "decide",
     "initial",
     "loaded",
     "report_spike",
-    "settled",
     "state_dict",
     "world_loss",
 ]

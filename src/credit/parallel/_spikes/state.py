@@ -1,4 +1,4 @@
-"""What a spike policy carries from step to step, and how a settled step changes it."""
+"""What a spike policy carries from step to step, and how the end of a step changes it."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def initial(settings: SpikeSettings, device: torch.device) -> SpikeState:
     return SpikeState(_history.empty(settings, 2, device), counts, in_a_row, 0, None)
 
 
-def settled(
+def after_step(
     settings: SpikeSettings, state: SpikeState, decision: Decision, non_finite: Tensor | None
 ) -> SpikeState:
     """``state`` after the step of ``decision``, which the world's ``non_finite`` answer (1.0 when

@@ -78,10 +78,10 @@ class SpikeMirror:
         )
         return _spikes.decide(self.settings, self._state.history, observed)
 
-    def settle(self, decision: _spikes.Decision, non_finite: bool) -> None:
+    def end_step(self, decision: _spikes.Decision, non_finite: bool) -> None:
         """Enter the step of ``decision`` if it was taken (``non_finite``: the scaler skipped it)."""
         answer = torch.tensor(float(non_finite))
-        state = _spikes.settled(self.settings, self._state, decision, answer)
+        state = _spikes.after_step(self.settings, self._state, decision, answer)
         self._state = replace(state, steps=self._state.steps + 1)
 
 

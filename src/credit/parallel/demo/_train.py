@@ -339,7 +339,7 @@ class _Replica:
             self.spike_seen = _spikes.SpikeSeen(float(norm), seen_z, spike, move, self.last_move)
         before = _spikes.weights(self.model)
         skipped = self.scaler.step(self.optimizer, norm, spike)
-        self.mirror.settle(decision, non_finite=skipped and not spike)
+        self.mirror.end_step(decision, non_finite=skipped and not spike)
         if not skipped:
             self.last_move = (step, _spikes.relative_move(before, self.model))
         return skipped, spike
