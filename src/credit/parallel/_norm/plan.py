@@ -143,7 +143,6 @@ def planned(request: NormRequest) -> NormPlan:
     verified to be the same on every rank of each stage (one small all_reduce).
 
     Raises:
-        ValueError: ``norm_type`` is not positive where the layout is not plain replicas.
         RuntimeError: in the check mode, the ranks of a stage passed different layouts.
     """
     at = _ownership.stages_of(request.pp_group)
@@ -163,10 +162,6 @@ def planned(request: NormRequest) -> NormPlan:
             stage=(at.index, at.count),
         )
     plan = _plan_of(held, request.grads, request.local, at, lowest, request.distinct, device)
-    if plan.kind is not Kind.REPLICAS and not request.norm_type > 0:
-        raise ValueError(
-            f"norm_type must be positive or inf for distributed grads, got {request.norm_type}"
-        )
     return plan
 
 
