@@ -88,6 +88,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "total_grad_norm: norm_type 0, distinct_along": ("ValueError", POSITIVE),
     "total_grad_norm: pp_group a 2D mesh": ("ValueError", PP_2D),
     "total_grad_norm: pp_group not a group": ("TypeError", r"pp_group must be a ProcessGroup"),
+    "total_grad_norm: pp_group of 3 ranks in 4": ("ValueError", r"does not divide the world size"),
     "total_grad_norm: distinct_along not pairs": (
         "TypeError",
         r"distinct_along must be an iterable of \(tensors, group\) pairs",
@@ -197,6 +198,7 @@ def _calls() -> dict[str, Callable[[], object]]:
     is replaced)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp, tp = mesh["dp"], mesh["tp"]
+    three = dist.new_group([0, 1, 2])
     sharded = DTensor.from_local(torch.ones(2, 3), dp, [Shard(0)], run_check=False)
     plain = torch.ones(3)
     params = [_with_grad(torch.ones(3)), _with_grad(sharded)]
@@ -225,6 +227,9 @@ def _calls() -> dict[str, Callable[[], object]]:
         "total_grad_norm: pp_group not a group": lambda: total_grad_norm(
             [sharded],
             pp_group="pp",  # type: ignore[arg-type]
+        ),
+        "total_grad_norm: pp_group of 3 ranks in 4": lambda: total_grad_norm(
+            [sharded], pp_group=three
         ),
         "total_grad_norm: distinct_along not pairs": lambda: total_grad_norm(
             [plain],

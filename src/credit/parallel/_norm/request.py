@@ -36,6 +36,7 @@ from credit.parallel._common.inputs import (
     warn_no_grads,
 )
 from credit.parallel._common.layout_check import check_enabled, refuse_on_every_rank
+from credit.parallel._common.ownership import stages_of
 
 
 def checked_norm_type(norm_type: object) -> float:
@@ -101,6 +102,8 @@ def checked_options(grads: list[Tensor], options: NormOptions) -> CheckedOptions
         check_per_rank(grads, options.pp_group, options.distinct_along)
     pp_group = resolve_group(options.pp_group, "pp_group")
     staged = pp_group if group_size(pp_group) > 1 else None
+    if staged is not None:
+        stages_of(staged)  # ValueError where its size does not divide the world's
     distinct = distinct_groups(options.distinct_along, grads)
     norm_type = checked_norm_type(options.norm_type)
     alone = options.per_rank or world_of_one()
