@@ -1,8 +1,11 @@
-"""Shared gradient all-reduce machinery for the parallel package.
+"""Gradient averaging, and the mixed-mesh-safe gradient norm and clipping.
 
-Used by both :func:`~credit.parallel.grad_sync.sync_domain_gradients` and
-:func:`~credit.parallel.grad_sync.sync_replicated_gradients` so the subtle DTensor handling
-lives in exactly one place. Also home to the mixed-mesh-safe gradient clipping.
+The averaging functions are the public face of the package's averaging machinery
+(``_averaging``), which :func:`~credit.parallel.grad_sync.sync_domain_gradients` and
+:func:`~credit.parallel.grad_sync.sync_replicated_gradients` go through as well, so the subtle
+DTensor handling lives in exactly one place. The norm functions take torch's arguments, gather the
+norm's options into one value (``_norm.NormOptions``) by keyword, and hand it to the norm, which
+checks every argument before any collective.
 
 Every function works without ``torch.distributed`` initialised, as on a world of one.
 """
@@ -196,19 +199,17 @@ def total_grad_norm(
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite, the ranks' shards do not
             add up to whole gradients, or the check failed (raised on every rank).
     """
-    return _norm_of(
-        _inputs.tensor_list(grads, "grads"),
-        "total_grad_norm",
-        "grads",
-        norm_type,
-        error_if_nonfinite,
-        foreach,
-        pp_group,
-        distinct_along,
-        dtype,
-        check,
-        per_rank,
+    options = _norm.NormOptions(
+        norm_type=norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        foreach=foreach,
+        pp_group=pp_group,
+        distinct_along=distinct_along,
+        dtype=dtype,
+        check=check,
+        per_rank=per_rank,
     )
+    return _total_norm(grads, options, "total_grad_norm", "grads")
 
 
 @torch.no_grad()
@@ -250,50 +251,26 @@ def get_total_norm(
         TypeError, ValueError, RuntimeError: as :func:`total_grad_norm`, in the same cases (a
             gradient refused on one rank only raises on every rank in the check mode alone).
     """
-    return _norm_of(
-        _inputs.tensor_list(tensors, "tensors"),
-        "get_total_norm",
-        "tensors",
-        norm_type,
-        error_if_nonfinite,
-        foreach,
-        pp_group,
-        distinct_along,
-        dtype,
-        check,
-        per_rank,
+    options = _norm.NormOptions(
+        norm_type=norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        foreach=foreach,
+        pp_group=pp_group,
+        distinct_along=distinct_along,
+        dtype=dtype,
+        check=check,
+        per_rank=per_rank,
     )
+    return _total_norm(tensors, options, "get_total_norm", "tensors")
 
 
-def _norm_of(
-    grads: list[Tensor],
-    what: str,
-    argument: str,
-    norm_type: float | str,
-    error_if_nonfinite: bool,
-    foreach: bool | None,
-    pp_group: GroupLike,
-    distinct_along: DistinctAlong | None,
-    dtype: torch.dtype | None,
-    check: bool | None,
-    per_rank: bool,
+def _total_norm(
+    grads: TensorOrTensors, options: _norm.NormOptions, what: str, argument: str
 ) -> Tensor:
     """The total norm of ``grads`` for the public function ``what``, whose argument ``argument``
     holds them (named in messages)."""
-    request = _norm.norm_request(
-        grads,
-        what,
-        norm_type,
-        error_if_nonfinite,
-        foreach,
-        pp_group,
-        distinct_along,
-        dtype,
-        check,
-        per_rank,
-        argument=argument,
-    )
-    return _norm.reduce(request).total
+    tensors = _inputs.tensor_list(grads, argument)
+    return _norm.reduce(_norm.norm_request(tensors, options, what, argument=argument)).total
 
 
 @torch.no_grad()
@@ -356,18 +333,17 @@ def clip_grad_norm_(
         RuntimeError: as :func:`total_grad_norm`, or ``max_norm`` is on the meta device.
     """
     bound = _inputs.clip_bound(max_norm)
-    request = _norm.parameters_request(
-        parameters,
-        "clip_grad_norm_",
-        norm_type,
-        error_if_nonfinite,
-        foreach,
-        pp_group,
-        distinct_along,
-        dtype,
-        check,
-        per_rank,
+    options = _norm.NormOptions(
+        norm_type=norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        foreach=foreach,
+        pp_group=pp_group,
+        distinct_along=distinct_along,
+        dtype=dtype,
+        check=check,
+        per_rank=per_rank,
     )
+    request = _norm.parameters_request(parameters, options, "clip_grad_norm_")
     reduced = _norm.reduce(request)
     _norm.scale_(reduced.local, reduced.stacking, reduced.total, bound, foreach)
     return reduced.total

@@ -103,24 +103,25 @@ def grad_norm_report(
         >>> logger.info("grad norms %s", report)
     """
     p = _norm.checked_norm_type(norm_type)
-    if not p > 0:
+    if not p > 0:  # each group's norm is taken of the p-th powers of its gradients' norms
         raise ValueError(f"norm_type must be positive or inf, got {p}")
     named = _named_grads(named_parameters)
-    request = _norm.norm_request(
-        [grad for _, grad, _ in named],
-        "grad_norm_report",
-        p,
-        False,
-        foreach,
-        pp_group,
-        distinct_along,
-        dtype,
-        check,
-        per_rank,
-        label=lambda index: named[index][0],
-    )
     keys = [_group_name(group_by, name, param) for name, _, param in named]
-    names = _report_names(keys, group_by, groups, request.pp_group)
+    listed = _listed_groups(groups, keys)
+    options = _norm.NormOptions(
+        norm_type=norm_type,
+        foreach=foreach,
+        pp_group=pp_group,
+        distinct_along=distinct_along,
+        dtype=dtype,
+        check=check,
+        per_rank=per_rank,
+    )
+    grads = [grad for _, grad, _ in named]
+    request = _norm.norm_request(
+        grads, options, "grad_norm_report", label=lambda index: named[index][0]
+    )
+    names = listed if listed is not None else _report_names(keys, group_by, request.pp_group)
     segment_of = [names.index(key) for key in keys]
     reduced = _norm.reduce(request, segment_of, len(names))
     values, present = _read(reduced, request, segment_of, len(names))
@@ -219,23 +220,32 @@ def _layout_group(grad: Tensor | None) -> str:
     return "replicated"
 
 
+def _listed_groups(groups: Sequence[str] | None, keys: list[str]) -> list[str] | None:
+    """``groups`` checked against the parameters' group names ``keys``, as a list (None for
+    None): the report's names, in order.
+
+    Raises:
+        TypeError: a name is not a string.
+        ValueError: ``groups`` repeats a name, names ``"total"``, or misses one of ``keys``.
+    """
+    if groups is None:
+        return None
+    names = list(groups)
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError("groups must be a sequence of str")
+    if len(set(names)) != len(names) or TOTAL in names:
+        raise ValueError(f"groups must be distinct names other than {TOTAL!r}, got {names}")
+    missing = [key for key in dict.fromkeys(keys) if key not in names]
+    if missing:
+        raise ValueError(f"groups does not name the group(s) {missing} of some parameters")
+    return names
+
+
 def _report_names(
-    keys: list[str],
-    group_by: GroupBy | None,
-    groups: Sequence[str] | None,
-    pp_group: ProcessGroup | None,
+    keys: list[str], group_by: GroupBy | None, pp_group: ProcessGroup | None
 ) -> list[str]:
-    """The group names in report order, the same on every rank."""
-    if groups is not None:
-        names = list(groups)
-        if not all(isinstance(name, str) for name in names):
-            raise TypeError("groups must be a sequence of str")
-        if len(set(names)) != len(names) or TOTAL in names:
-            raise ValueError(f"groups must be distinct names other than {TOTAL!r}, got {names}")
-        missing = [key for key in dict.fromkeys(keys) if key not in names]
-        if missing:
-            raise ValueError(f"groups does not name the group(s) {missing} of some parameters")
-        return names
+    """The group names in report order, the same on every rank, where ``groups`` lists none:
+    the layout groups, or the names ``group_by`` gave (gathered over the pipeline stages)."""
     if group_by is None:
         return list(DEFAULT_GROUPS)
     names = list(dict.fromkeys(keys))

@@ -198,18 +198,16 @@ class SpikePolicy:
         ceiling = _ceiling(max_norm)
         _check_groups(groups)
         self._begin_step()
-        request = _norm.parameters_request(
-            parameters,
-            "SpikePolicy.clip_grad_norm_",
-            norm_type,
-            error_if_nonfinite,
-            foreach,
-            pp_group,
-            distinct_along,
-            dtype,
-            check,
-            False,
+        options = _norm.NormOptions(
+            norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            foreach=foreach,
+            pp_group=pp_group,
+            distinct_along=distinct_along,
+            dtype=dtype,
+            check=check,
         )
+        request = _norm.parameters_request(parameters, options, "SpikePolicy.clip_grad_norm_")
         device = collective_device(request.local)
         state = self._state_on(device)
         world_loss = _spikes.world_loss(loss, state.with_loss, device)

@@ -7,8 +7,10 @@ integrations import the names below, never the steps' modules.
 from credit.parallel._norm.clip import scale_
 from credit.parallel._norm.hooks import NormEvent, attach, detach
 from credit.parallel._norm.request import (
+    NormOptions,
     NormRequest,
     checked_norm_type,
+    checked_options,
     norm_request,
     parameters_request,
 )
@@ -19,10 +21,12 @@ from credit.parallel._norm.verdict import raise_if_copies_differ
 
 __all__ = [
     "NormEvent",
+    "NormOptions",
     "NormRequest",
     "Reduced",
     "attach",
     "checked_norm_type",
+    "checked_options",
     "detach",
     "norm_request",
     "parameters_request",

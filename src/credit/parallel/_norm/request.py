@@ -36,6 +36,7 @@ from credit.parallel._common.inputs import (
     warn_no_grads,
 )
 from credit.parallel._common.layout_check import check_enabled, refuse_on_every_rank
+from credit.parallel._common.stages import stages_of
 
 
 def checked_norm_type(norm_type: object) -> float:
@@ -50,37 +51,88 @@ def checked_norm_type(norm_type: object) -> float:
     return value
 
 
-def norm_grads(
-    grads: list[Tensor],
-    argument: str,
-    what: str,
-    per_rank: bool,
-    pp_group: GroupLike,
-    distinct_along: DistinctAlong | None,
-    *,
-    on_every_rank: bool,
-) -> tuple[list[Tensor], ProcessGroup | None, list[frozenset[int] | None] | None]:
-    """The gradients of a norm checked: their local tensors, the pipeline group resolved, and
-    :func:`distinct_groups`.
+@dataclass(frozen=True, kw_only=True)
+class NormOptions:
+    """The options of a norm, as the public functions take them, before any check.
 
-    A gradient no norm can take (:func:`local_refusal`) raises on the ranks that hold it; with
-    ``on_every_rank`` (the check mode), every rank raises the refusal of the lowest rank that has
-    one, before any other collective (one small all_reduce).
+    Built by keyword at the public edge and passed down as one value; :func:`norm_request` checks
+    them. Each attribute is the public argument of the same name (see ``total_grad_norm``).
+    """
+
+    norm_type: float | str = 2.0
+    error_if_nonfinite: bool = False
+    foreach: bool | None = None
+    pp_group: GroupLike = None
+    distinct_along: DistinctAlong | None = None
+    dtype: torch.dtype | None = None
+    check: bool | None = None
+    per_rank: bool = False
+
+
+@dataclass(frozen=True)
+class CheckedOptions:
+    """What the arguments alone decide of a norm, checked (see :func:`checked_options`).
+
+    Attributes:
+        norm_type: the p of the p-norm (``math.inf`` for the max norm).
+        pp_group: this rank's pipeline group, or None (none, or a group of one rank).
+        distinct: for each gradient, the ranks along which its copies differ (None: replicas),
+            or None when no gradient is declared distinct.
+        alone: the norm needs no collective (no process group, a world of one, or ``per_rank``).
+    """
+
+    norm_type: float
+    pp_group: ProcessGroup | None
+    distinct: list[frozenset[int] | None] | None
+    alone: bool
+
+
+def checked_options(grads: list[Tensor], options: NormOptions) -> CheckedOptions:
+    """Every check of a norm that its arguments alone decide, with no collective: the same on
+    every rank of a well-formed call, so a bad call raises on every rank before any collective.
+
+    ``norm_type`` must be positive or inf unless the gradients are plain replicas (plain tensors,
+    none declared distinct, one pipeline stage), whose norm is the reference copy's, as torch's;
+    a norm that needs no collective takes any ``norm_type``, as torch does.
+
+    Raises:
+        TypeError, ValueError: as ``total_grad_norm`` documents, naming the argument.
+    """
+    if options.per_rank:
+        check_per_rank(grads, options.pp_group, options.distinct_along)
+    pp_group = resolve_group(options.pp_group, "pp_group")
+    staged = pp_group if group_size(pp_group) > 1 else None
+    if staged is not None:
+        stages_of(staged)  # ValueError where its size does not divide the world's
+    distinct = distinct_groups(options.distinct_along, grads)
+    norm_type = checked_norm_type(options.norm_type)
+    alone = options.per_rank or world_of_one()
+    if norm_type <= 0 and not alone and not _plain_replicas(grads, staged, distinct):
+        raise ValueError(
+            f"norm_type must be positive or inf for distributed grads, got {norm_type}"
+        )
+    return CheckedOptions(norm_type, staged, distinct, alone)
+
+
+def local_grads(
+    grads: list[Tensor], argument: str, what: str, *, on_every_rank: bool
+) -> list[Tensor]:
+    """Each gradient's local tensor, checked: a gradient no norm can take (:func:`local_refusal`)
+    raises on the ranks that hold it; with ``on_every_rank`` (the check mode, with a collective),
+    every rank raises the refusal of the lowest rank that has one (one small all_reduce), after
+    every check of the arguments.
 
     Raises:
         TypeError, ValueError: as ``total_grad_norm`` documents.
     """
     local = [local_tensor(grad) for grad in grads]
     refusal = local_refusal(local, argument)
-    if on_every_rank and not per_rank and not world_of_one():
+    if on_every_rank:
         refuse_on_every_rank(refusal, collective_device([t for t in local if not t.is_meta]), what)
     elif refusal is not None:
         kind, message = refusal
         raise kind(message)
-    if per_rank:
-        check_per_rank(grads, pp_group, distinct_along)
-    pp_process_group = resolve_group(pp_group, "pp_group")
-    return local, pp_process_group, distinct_groups(distinct_along, grads)
+    return local
 
 
 def check_per_rank(
@@ -138,65 +190,46 @@ class NormRequest:
 
 def norm_request(
     grads: list[Tensor],
+    options: NormOptions,
     what: str,
-    norm_type: float | str,
-    error_if_nonfinite: bool,
-    foreach: bool | None,
-    pp_group: GroupLike,
-    distinct_along: DistinctAlong | None,
-    dtype: torch.dtype | None,
-    check: bool | None,
-    per_rank: bool,
     *,
     label: Callable[[int], str] | None = None,
     argument: str = "grads",
 ) -> NormRequest:
-    """The norm arguments, checked before any collective and resolved.
+    """The norm's request: its options checked (:func:`checked_options`), then its gradients
+    (:func:`local_grads`), before any other collective.
 
     Args:
         grads: the gradients to norm.
+        options: the public function's norm options.
         what: the public function, for messages.
-        norm_type, error_if_nonfinite, foreach, pp_group, distinct_along, dtype, check, per_rank:
-            as for ``total_grad_norm``.
         label: names gradient ``i`` in messages. Default: ``{argument}[i]``.
         argument: the public function's argument that holds the gradients, for messages.
 
     Raises:
         TypeError, ValueError: as for ``total_grad_norm``.
     """
-    check_mode = check_enabled(check) and is_distributed()
-    local, pp_process_group, distinct = norm_grads(
-        grads, argument, what, per_rank, pp_group, distinct_along, on_every_rank=check_mode
-    )
+    checked = checked_options(grads, options)
+    check_mode = check_enabled(options.check) and is_distributed()
+    on_every_rank = check_mode and not checked.alone
     return NormRequest(
         grads=grads,
-        local=local,
-        norm_type=checked_norm_type(norm_type),
-        foreach=foreach,
-        dtype=dtype,
-        pp_group=pp_process_group if group_size(pp_process_group) > 1 else None,
-        distinct=distinct,
+        local=local_grads(grads, argument, what, on_every_rank=on_every_rank),
+        norm_type=checked.norm_type,
+        foreach=options.foreach,
+        dtype=options.dtype,
+        pp_group=checked.pp_group,
+        distinct=checked.distinct,
         check=check_mode,
-        per_rank=per_rank,
-        alone=per_rank or world_of_one(),
-        error_if_nonfinite=error_if_nonfinite,
+        per_rank=options.per_rank,
+        alone=checked.alone,
+        error_if_nonfinite=options.error_if_nonfinite,
         what=what,
         label=label if label is not None else functools.partial(_argument_label, argument),
     )
 
 
-def parameters_request(
-    parameters: Parameters,
-    what: str,
-    norm_type: float | str,
-    error_if_nonfinite: bool,
-    foreach: bool | None,
-    pp_group: GroupLike,
-    distinct_along: DistinctAlong | None,
-    dtype: torch.dtype | None,
-    check: bool | None,
-    per_rank: bool,
-) -> NormRequest:
+def parameters_request(parameters: Parameters, options: NormOptions, what: str) -> NormRequest:
     """The request of a clip: the gradients of ``parameters`` (tensors, a module, or
     ``(name, parameter)`` pairs), named after their parameters in messages. Warns when
     parameters were given and none has a gradient (see ``warn_no_grads``).
@@ -209,19 +242,17 @@ def parameters_request(
     if params and not grads:
         warn_no_grads(params, what)
     label = functools.partial(parameter_label, params, names)
-    return norm_request(
-        grads,
-        what,
-        norm_type,
-        error_if_nonfinite,
-        foreach,
-        pp_group,
-        distinct_along,
-        dtype,
-        check,
-        per_rank,
-        label=label,
-    )
+    return norm_request(grads, options, what, label=label)
+
+
+def _plain_replicas(
+    grads: list[Tensor],
+    pp_group: ProcessGroup | None,
+    distinct: list[frozenset[int] | None] | None,
+) -> bool:
+    """Whether the gradients are plain replicas (DDP): plain tensors, none declared distinct, in
+    one pipeline stage; the plan's ``Kind.REPLICAS``, decided from the arguments alone."""
+    return pp_group is None and distinct is None and not any(isinstance(g, DTensor) for g in grads)
 
 
 def _argument_label(argument: str, index: int) -> str:

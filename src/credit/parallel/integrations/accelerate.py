@@ -131,39 +131,63 @@ def clip_grad_norm_(
     _check_logging(log_as, log_step)
     params, names = _inputs.parameter_list(parameters)
     _check_bound(max_norm, spikes, loss)
-    _norm.checked_norm_type(norm_type)
-    grads = [grad for p in params if (grad := p.grad) is not None]
-    _inputs.check_grads(grads, "parameters")
-    distinct_along = _reusable(distinct_along)
-    _inputs.distinct_groups(distinct_along, grads)
+    options = _norm.NormOptions(
+        norm_type=norm_type,
+        pp_group=pp_group,
+        distinct_along=_reusable(distinct_along),
+        check=check,
+    )
+    _check_norm(params, options)
     if spikes is not None and spikes.skips:
         _check_skipping(accelerator, scaler, spikes, params)
     if _is_enabled(scaler):
         _unscale_prepared(accelerator, scaler, params, names)
     named = params if names is None else list(zip(names, params, strict=True))
-    if spikes is None:
-        norm = _clip_grad_norm_(
-            named,
-            cast("float | Tensor", max_norm),  # checked above: None only with spikes
-            norm_type,
-            pp_group=pp_group,
-            distinct_along=distinct_along,
-            check=check,
-        )
-    else:
-        ceiling = cast("float | None", max_norm)  # checked above: no tensor with spikes
-        norm = spikes.clip_grad_norm_(
-            named,
-            ceiling,
-            norm_type,
-            loss=loss,
-            pp_group=pp_group,
-            distinct_along=distinct_along,
-            check=check,
-        )
+    norm = _clip(named, max_norm, options, spikes, loss)
     if log_as is not None:
         _log(accelerator, log_as, norm, log_step)
     return norm
+
+
+def _check_norm(params: list[Tensor], options: _norm.NormOptions) -> None:
+    """Check the gradients of ``params`` and the norm's options as the clip will check them
+    (with no collective), before anything is unscaled.
+
+    Raises:
+        TypeError, ValueError: as :func:`credit.parallel.collectives.clip_grad_norm_`.
+    """
+    grads = [grad for p in params if (grad := p.grad) is not None]
+    _inputs.check_grads(grads, "parameters")
+    _norm.checked_options(grads, options)
+
+
+def _clip(
+    named: list[Tensor] | list[tuple[str, Tensor]],
+    max_norm: float | Tensor | None,
+    options: _norm.NormOptions,
+    spikes: SpikePolicy | None,
+    loss: Tensor | float | None,
+) -> Tensor:
+    """The clip, :func:`credit.parallel.collectives.clip_grad_norm_` or the policy's, on
+    arguments checked by :func:`clip_grad_norm_`."""
+    if spikes is None:
+        return _clip_grad_norm_(
+            named,
+            cast("float | Tensor", max_norm),  # checked: None only with spikes
+            options.norm_type,
+            pp_group=options.pp_group,
+            distinct_along=options.distinct_along,
+            check=options.check,
+        )
+    return spikes.clip_grad_norm_(
+        named,
+        cast("float | None", max_norm),  # checked: no tensor with spikes
+        options.norm_type,
+        loss=loss,
+        pp_group=options.pp_group,
+        distinct_along=options.distinct_along,
+        check=options.check,
+    )
 
 
 def _scaler_of(accelerator: Any) -> Any:
