@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from copies_bound import (
+from support.copies_bound import (
     DTYPES,
     bf16_ddp_steps,
     bf16_fsdp_tp_sp_steps,
@@ -43,7 +43,6 @@ from copies_bound import (
     stage_groups,
     stage_of,
 )
-from layouts import error_of, local_bytes, mesh, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel
@@ -51,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from credit.parallel._norm.copies import tolerance
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
+from testbed.layouts import error_of, local_bytes, mesh, same_bits_everywhere
 
 STAGES = 2
 

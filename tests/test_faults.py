@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import build, full_grads, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -29,6 +28,7 @@ from credit.parallel._common.compat import local_tensor
 from credit.parallel._common.launch import host_store
 from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
+from testbed.layouts import build, full_grads, same_bits_everywhere
 
 HOST = "127.0.0.1"
 PROCESS_GROUP_TIMEOUT_S = 5.0

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import RankFailure
+from support.multirank import RankFailure
 
 
 def _rank_and_sum() -> tuple[int, int, float]:

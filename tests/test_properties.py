@@ -48,11 +48,11 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from layouts import mesh, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+from testbed.layouts import mesh, same_bits_everywhere
 
 WORLD = 4
 MESHES = {"1d": ((4,), ("dp",)), "2d": ((2, 2), ("dp", "tp"))}
