@@ -110,6 +110,7 @@ MATRIX: list[tuple[int, str, str, tuple[Plant, ...]]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "name", "optimizer", "plants"),
     MATRIX,

@@ -219,6 +219,7 @@ CREDIT_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "grad_max_norm", "place"),
     CREDIT_CASES,
@@ -311,6 +312,7 @@ def _two_models() -> dict:
     return record
 
 
+@pytest.mark.slow
 def test_two_scalers_never_answer_each_others_optimizers(ranks):
     """Model A's clip returns torch's norm, A steps and keeps its scale, while B alone skips and
     backs off: scales, norms and parameters have the bits of torch's scalers, step for step."""

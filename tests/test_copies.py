@@ -391,6 +391,7 @@ def _trained(layout: str) -> tuple[list[float], list[int]]:
     return norms, checks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ddp", "hsdp", "fsdp_tp", "tp_domain"])
 def test_legitimate_copies_never_raise(ranks, layout):
     results = ranks.run(WORLD, _trained, layout, timeout_s=180)

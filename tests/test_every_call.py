@@ -277,6 +277,7 @@ def _restart_in_process(directory: str) -> list:
     return [norm, replicas]
 
 
+@pytest.mark.slow
 def test_a_group_formed_again_in_process_starts_from_nothing_proven():
     pool = RankPool(4)  # its own workers: the group they end with is not the pool's
     try:

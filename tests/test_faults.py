@@ -291,6 +291,7 @@ def _run_scenario(scenario: str, world: int, out_dir: Path) -> dict[int, dict]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("scenario", "world"),
     [("exit mid average", 3), ("exit before clip", 3), ("stall in average", 2)],
@@ -308,6 +309,7 @@ def test_survivors_raise_when_a_rank_dies_or_stalls(tmp_path, scenario, world):
             assert "Timed out" in outcome["message"] or "timeout" in outcome["message"].lower()
 
 
+@pytest.mark.slow
 def test_unchecked_layout_mismatch_aborts_the_process(tmp_path):
     """The reason for the check mode; this fails the day gloo stops aborting on a mismatch."""
     results = _run_scenario("unchecked mismatch", 2, tmp_path)

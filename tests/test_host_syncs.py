@@ -32,6 +32,9 @@ from support.sync_trace import (
     Sync,
 )
 
+# Slow, every test (make test-fast leaves them out): the trace builds its world (and, once, the no-op CUDA guard).
+pytestmark = pytest.mark.slow
+
 RANKS = (0, WORLD - 1)
 REQUIRED = "CREDIT_PARALLEL_REQUIRE_TRACE"
 REPORT = REPO / "build" / "host-syncs.txt"

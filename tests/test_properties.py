@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
@@ -235,6 +236,7 @@ def _every_dtype_and_norm_type(example: NormExample) -> list[dict]:
     ]
 
 
+@pytest.mark.slow
 @EXAMPLES
 @given(example=_norm_examples())
 def test_norm_and_clip_match_the_materialised_reference(ranks, example):
@@ -354,6 +356,7 @@ def _average_with_every_cap(example: AvgExample) -> list[str]:
     return [p for cap in BUCKET_CAPS_MB for p in _average_matches_gathered_mean(example, cap)]
 
 
+@pytest.mark.slow
 @EXAMPLES
 @given(example=_avg_examples())
 def test_average_matches_the_gathered_mean(ranks, example):

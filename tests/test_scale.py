@@ -17,6 +17,9 @@ import pytest
 
 from testbed.fake_world import EXPECTED_BUCKETS, counts_in_fake_world
 
+# Slow, every test (make test-fast leaves them out): a fresh process builds each simulated world.
+pytestmark = pytest.mark.slow
+
 DP, TP = 128, 8
 SMALL_WORLD = (4, TP)  # the same counts must come out of a 32-rank world (dp=2 per stage)
 

@@ -65,6 +65,9 @@ from credit.parallel.amp import GradScaler
 from credit.parallel.spikes import SpikePolicy
 from testbed.layouts import IN_DIM
 
+# Slow, every test (make test-fast leaves them out): training runs on every layout at real ranks.
+pytestmark = pytest.mark.slow
+
 # The one-process replica sums every gradient in another order (over ranks, shards and TP
 # partial sums), a few ULPs off the distributed sum; SGD carries that into the weights multiplied
 # by its learning rate, and 8 steps compound it. Observed: at most 5 ULPs for the norms and

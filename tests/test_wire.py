@@ -32,6 +32,9 @@ from testbed.world_layouts import (
     wire_in_fake_world,
 )
 
+# Slow, every test (make test-fast leaves them out): a fresh process builds each simulated world.
+pytestmark = pytest.mark.slow
+
 MODEL = "4-layer"
 GRADIENTS = MODELS[MODEL].gradients
 LARGE, SMALL = 1024, 128
