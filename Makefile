@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.installed-base
 DEV := $(VENV)/.installed-dev
 
-.PHONY: test lint typecheck unit demo bench docs clean test-torch test-compat test-gpu test-integrations
+.PHONY: test test-fast lint typecheck unit demo bench docs clean test-torch test-compat test-gpu test-integrations
 
 # The supported torch range (pyproject.toml), tested by `make test-compat` at both ends.
 TORCH_FLOOR := 2.10.0
@@ -42,6 +42,12 @@ typecheck: $(DEV)
 
 unit: $(DEV)
 	$(PY) -m pytest -q
+
+# `make test-fast`: pytest alone, without the tests marked slow (pyproject.toml registers the
+# marker; tests/README.md lists what each file covers). About a minute on two cores; `make test`
+# and `make unit` still run every test.
+test-fast: $(DEV)
+	$(PY) -m pytest -q -m "not slow"
 
 demo: $(BASE)
 	$(PY) -m credit.parallel demo

@@ -7,13 +7,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from baselines import norm_per_mesh_group, torch_clip
-from layouts import ulp_distance
 from report import Row
 from torch import Tensor, nn
-from world_layouts import describe, wire
 
 from credit.parallel._common.compat import local_tensor
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
+from testbed.layouts import ulp_distance
+from testbed.world_layouts import describe, wire
 
 
 def _local_copies(params: Sequence[Tensor]) -> list[Tensor]:

@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# The repository's root, for the workloads the tests share (testbed/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from layouts import TinyNet
 from workloads import MODEL
 
 from credit.parallel._replicas import digests as _digests
+from testbed.layouts import TinyNet
 
 
 def _model_and_state(device: torch.device, fused: bool) -> list[Tensor]:

@@ -16,14 +16,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from cases import CASES, Case, Count, Ratio
-from fake_world import count_collectives
-from memory import extra_memory
 from report import Result, Row, Timed
 from timing import Progress, measure
 from workloads import Context, Workload
 
 from credit.parallel._averaging import buckets as _buckets
 from credit.parallel._common.launch import init_process_group
+from testbed.fake_world import count_collectives
+from testbed.memory import extra_memory
 
 
 @dataclass(frozen=True)

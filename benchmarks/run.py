@@ -20,11 +20,12 @@ world's all_reduce, need 4 ranks or more; on fewer they are skipped with a note:
     python benchmarks/run.py --cases copy-groups --nproc-per-node 4
 
 The benchmark is not part of the installed package. It shares its workloads with the test suite
-instead of keeping copies: the FSDP2 and FSDP2 + TP layouts (``tests/layouts.py``), the
-simulated-scale counting (``tests/fake_world.py``), the world-scale layouts
-(``tests/world_layouts.py``) and the memory measurement
-(``tests/memory.py``). This script puts ``tests/`` on ``sys.path`` after its own folder, so the
-benchmark's modules and the tests import the same ones.
+instead of keeping copies, in the package ``testbed/`` at the repository's root: the FSDP2 and
+FSDP2 + TP layouts (``testbed/layouts.py``), the simulated-scale counting
+(``testbed/fake_world.py``), the world-scale layouts (``testbed/world_layouts.py``) and the memory
+measurement (``testbed/memory.py``). This script puts the repository's root on ``sys.path`` after
+its own folder, so the benchmark's modules and the tests import the same ones; neither imports
+the other's.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
+ROOT = Path(__file__).resolve().parent.parent
 SIMULATED = "simulated"
 WORLD_SCALE = "world-scale"
 
@@ -99,7 +100,7 @@ def _world_scale_options(
     parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> tuple[list[int], list[str], list[str]]:
     """The worlds, layouts and models of the world-scale case, checked."""
-    from world_layouts import LAYOUTS, MODELS, fits, fixed_ranks
+    from testbed.world_layouts import LAYOUTS, MODELS, fits, fixed_ranks
 
     try:
         worlds = [int(world) for world in args.worlds.split(",") if world.strip()]
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         0 when every selected case ran (a missed goal is reported, not an error), 1 when a rank
         failed, 2 for bad options.
     """
-    sys.path.insert(1, str(TESTS))
+    sys.path.insert(1, str(ROOT))
     from cases import CASES
 
     families = [*dict.fromkeys(case.family for case in CASES), SIMULATED, WORLD_SCALE]

@@ -1,6 +1,6 @@
 """Collectives per call at simulated worlds of 16, 64 and 1024 ranks (torch's fake backend).
 
-The counting is the scale tests' (``tests/fake_world.py``): one rank of each world counts the
+The counting is the scale tests' (``testbed/fake_world.py``): one rank of each world counts the
 collectives of every call on FSDP2 + TP gradients, in a fresh process per world.
 """
 
@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
-from fake_world import EXPECTED_BUCKETS, counts_in_fake_world
 from report import Result, Row
+
+from testbed.fake_world import EXPECTED_BUCKETS, counts_in_fake_world
 
 # (dp, tp) of each world; dp is at least 4, so that each of the two pipeline stages has copies
 # in groups of their own on tp.

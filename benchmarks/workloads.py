@@ -1,8 +1,8 @@
 """The gradients each case works on, built the same way on every rank, from fixed seeds.
 
-The FSDP2 and FSDP2 + TP models are the test suite's layouts (``tests/layouts.py``), built larger
+The FSDP2 and FSDP2 + TP models are the test suite's layouts (``testbed/layouts.py``), built larger
 through its size arguments; the layouts of the setup-cost case are the simulated-scale tests'
-(``tests/fake_world.py``), here on real ranks. The other gradient sets are lists of given shapes;
+(``testbed/fake_world.py``), here on real ranks. The other gradient sets are lists of given shapes;
 their values differ between ranks (the seed includes the rank), so averages combine different
 numbers.
 """
@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 
 import baselines
 import checks
-import layouts
 import torch
 import torch.distributed as dist
-from fake_world import mixed_grads
 from report import Row
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -35,6 +33,8 @@ from credit.parallel.collectives import clip_grad_norm_, contiguous_grads_, tota
 from credit.parallel.grad_sync import sync_domain_gradients, sync_domain_gradients_in_backward
 from credit.parallel.replicas import verify_replicas
 from credit.parallel.spikes import SpikePolicy
+from testbed import layouts
+from testbed.fake_world import mixed_grads
 
 # The layouts' model for the FSDP2 cases: 40 blocks of 10 grads, plus 4 outside them.
 MODEL = {"blocks": 40, "dim": 64, "hidden": 128}

@@ -1,6 +1,6 @@
 """What one rank pays for the norm at worlds of 1,024 to 65,536 ranks (torch's fake backend).
 
-One process plays rank 0 of each world (``tests/world_layouts.py`` builds the meshes and the
+One process plays rank 0 of each world (``testbed/world_layouts.py`` builds the meshes and the
 Llama-like gradients of each layout: FSDP2 x TP, HSDP x TP, pipeline stages, experts). For each
 (world, layout, model) it reports:
 
@@ -34,7 +34,9 @@ from collections.abc import Callable
 from typing import Any
 
 from report import Result, Row
-from world_layouts import (
+
+from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
+from testbed.world_layouts import (
     MODELS,
     Collective,
     Layout,
@@ -45,8 +47,6 @@ from world_layouts import (
     start_world,
     wire,
 )
-
-from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 
 # The issue's bound on any one collective: 16 float64 numbers per gradient, plus a few.
 PER_GRADIENT, CONSTANT = 16, 64
@@ -274,7 +274,7 @@ def world_scale(
     )
     result.rows = _rows(rows) + _growth_rows(rows)
     result.notes += [
-        "layouts (tests/world_layouts.py): fsdp-tp (dp, tp=8); hsdp-tp (rep, shard=64, tp=8); "
+        "layouts (testbed/world_layouts.py): fsdp-tp (dp, tp=8); hsdp-tp (rep, shard=64, tp=8); "
         "pipeline (pp=4, dp, tp=8), a quarter of the layers a stage; experts: dense params "
         "dp-sharded over the world, w1/w2/w3 experts on the efsdp dim of (efsdp, ep=8), "
         "distinct along ep",

@@ -1,7 +1,7 @@
 from collections.abc import Iterator
 
 import pytest
-from multirank import Ranks
+from support.multirank import Ranks
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from amp_layouts import (
+from support.amp_layouts import (
     GROWTH_INTERVAL,
     INIT_SCALE,
     MAX_NORM,
@@ -43,13 +43,13 @@ from amp_layouts import (
     plant_value,
     scaler_warnings,
 )
-from layouts import IN_DIM
 from torch.distributed.tensor import DTensor
-from world_layouts import WireRecorder
 
 from credit.parallel._common.compat import local_tensor
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import clip_grad_norm_
+from testbed.layouts import IN_DIM
+from testbed.world_layouts import WireRecorder
 
 
 def _train(name: str, plants: tuple[Plant, ...], optimizer_kind: str, unscale: bool = True) -> dict:
@@ -110,6 +110,7 @@ MATRIX: list[tuple[int, str, str, tuple[Plant, ...]]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "name", "optimizer", "plants"),
     MATRIX,

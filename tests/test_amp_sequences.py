@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from amp_layouts import (
+from support.amp_layouts import (
     GROWTH_INTERVAL,
     INIT_SCALE,
     MAX_NORM,
@@ -46,19 +46,19 @@ from amp_layouts import (
     scaler_warnings,
     shard_model,
 )
-from layouts import IN_DIM, TP_PLAN, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
-from world_layouts import WireRecorder
 
 from credit.parallel._common.compat import local_tensor
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.grad_sync import sync_domain_gradients, sync_replicated_gradients
 from credit.parallel.parallel_mesh import ParallelMesh, build_device_mesh
+from testbed.layouts import IN_DIM, TP_PLAN, same_bits_everywhere
+from testbed.world_layouts import WireRecorder
 
 WORLD = 4
 INF, NAN = math.inf, math.nan
@@ -219,6 +219,7 @@ CREDIT_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "grad_max_norm", "place"),
     CREDIT_CASES,
@@ -311,6 +312,7 @@ def _two_models() -> dict:
     return record
 
 
+@pytest.mark.slow
 def test_two_scalers_never_answer_each_others_optimizers(ranks):
     """Model A's clip returns torch's norm, A steps and keeps its scale, while B alone skips and
     backs off: scales, norms and parameters have the bits of torch's scalers, step for step."""

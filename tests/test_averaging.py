@@ -20,7 +20,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-from layouts import TinyNet, mesh, run_step
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import credit.parallel._common.groups as groups_module
 from credit.parallel.collectives import all_reduce_avg, allreduce_grads_avg
+from testbed.layouts import TinyNet, mesh, run_step
 
 INTEGER_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 # 128 bytes: 32 fp32, 64 bf16 or 16 fp64 elements per bucket, so the grads below need several.

@@ -15,8 +15,6 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import TinyNet, run_step
-from memory import extra_memory
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -25,6 +23,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from credit.parallel._averaging import buckets as _buckets
 from credit.parallel.collectives import allreduce_grads_avg, contiguous_grads_
+from testbed.layouts import TinyNet, run_step
+from testbed.memory import extra_memory
 
 MiB = 2**20
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16}

@@ -20,7 +20,6 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import IN_DIM, TP_PLAN, TinyNet, full_grads, same_bits_everywhere, ulp_distance
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -36,6 +35,7 @@ from credit.parallel.grad_sync import (
     sync_replicated_gradients,
 )
 from credit.parallel.parallel_mesh import ParallelMesh, build_device_mesh
+from testbed.layouts import IN_DIM, TP_PLAN, TinyNet, full_grads, same_bits_everywhere, ulp_distance
 
 SEED = 7
 LAYOUTS = ("fsdp_tp", "tp", "ddp")

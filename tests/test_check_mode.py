@@ -16,10 +16,8 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import build, local_bytes
 from torch import Tensor, nn
 from torch.distributed.tensor.debug import CommDebugMode
-from world_layouts import WireRecorder
 
 from credit.parallel._common.layout_check import ENV_VAR, verify_same_layout
 from credit.parallel.collectives import (
@@ -29,6 +27,8 @@ from credit.parallel.collectives import (
     total_grad_norm,
 )
 from credit.parallel.norm_report import grad_norm_report
+from testbed.layouts import build, local_bytes
+from testbed.world_layouts import WireRecorder
 
 WORLD = 4
 ODD_RANK = 3  # the rank whose layout differs

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from amp_layouts import (
+from support.amp_layouts import (
     GROWTH_INTERVAL,
     INIT_SCALE,
     MAX_NORM,
@@ -39,8 +39,7 @@ from amp_layouts import (
     local_bits,
     plant_value,
 )
-from amp_layouts import build as build_amp
-from layouts import build, grads, local_bytes, mesh, same_bits_everywhere
+from support.amp_layouts import build as build_amp
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import fully_shard
@@ -48,7 +47,6 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from world_layouts import WireRecorder
 
 from credit.parallel._common.compat import local_tensor
 from credit.parallel._common.inputs import clip_bound
@@ -61,6 +59,8 @@ from credit.parallel.collectives import (
 )
 from credit.parallel.integrations.torchtitan import clip_grad_norm_ as titan_clip
 from credit.parallel.spikes import SpikePolicy
+from testbed.layouts import build, grads, local_bytes, mesh, same_bits_everywhere
+from testbed.world_layouts import WireRecorder
 
 FOREACH = (None, True, False)
 # The loss scale of the distributed models: their norm is then about 14, so that every form of

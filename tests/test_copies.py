@@ -29,24 +29,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import (
-    IN_DIM,
-    Block,
-    TinyNet,
-    full_grads,
-    local_bytes,
-    mesh,
-    run_step,
-    same_bits_everywhere,
-    ulp_distance,
-)
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel
-from world_layouts import WireRecorder
 
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.demo._model import (
@@ -61,6 +49,18 @@ from credit.parallel.demo._model import (
 from credit.parallel.grad_sync import sync_domain_gradients, sync_replicated_gradients
 from credit.parallel.norm_report import grad_norm_report
 from credit.parallel.replicas import verify_replicas
+from testbed.layouts import (
+    IN_DIM,
+    Block,
+    TinyNet,
+    full_grads,
+    local_bytes,
+    mesh,
+    run_step,
+    same_bits_everywhere,
+    ulp_distance,
+)
+from testbed.world_layouts import WireRecorder
 
 WORLD = 4
 TOLERANCE_ULP = 8
@@ -391,6 +391,7 @@ def _trained(layout: str) -> tuple[list[float], list[int]]:
     return norms, checks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ddp", "hsdp", "fsdp_tp", "tp_domain"])
 def test_legitimate_copies_never_raise(ranks, layout):
     results = ranks.run(WORLD, _trained, layout, timeout_s=180)

@@ -28,14 +28,13 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from copies_bound import (
+from support.copies_bound import (
     DTYPES,
     bf16_ddp_steps,
     bf16_fsdp_tp_sp_steps,
     legitimate_everywhere,
     refused_everywhere,
 )
-from layouts import error_of, local_bytes, mesh, same_bits_everywhere
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -43,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from credit.parallel._norm.copies import fingerprints, tolerance
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
+from testbed.layouts import error_of, local_bytes, mesh, same_bits_everywhere
 
 # ---------------------------------------------------------------------------------------------
 # 1. The bound: 2, 3 and 4 copies, the reference and another copy, three dtypes, two calls

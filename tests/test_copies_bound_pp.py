@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from copies_bound import (
+from support.copies_bound import (
     DTYPES,
     bf16_ddp_steps,
     bf16_fsdp_tp_sp_steps,
@@ -43,7 +43,6 @@ from copies_bound import (
     stage_groups,
     stage_of,
 )
-from layouts import error_of, local_bytes, mesh, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel
@@ -51,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from credit.parallel._norm.copies import tolerance
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
+from testbed.layouts import error_of, local_bytes, mesh, same_bits_everywhere
 
 STAGES = 2
 
@@ -132,6 +132,7 @@ def _scaled_copies(pp_as: str) -> dict[str, list]:
     return outcomes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "pp_as"), [(4, "process group"), (8, "mesh")])
 def test_every_group_of_copies_meets_the_bound_under_pipeline_stages(ranks, world, pp_as):
     results = ranks.run(world, _scaled_copies, pp_as, timeout_s=240)
@@ -291,6 +292,7 @@ def test_one_stage_changing_its_layout_keeps_every_rank_in_step(ranks):
 # 4. No false alarm over many steps of real bf16 training inside each stage
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "body"),
     [(4, bf16_ddp_steps), (8, bf16_fsdp_tp_sp_steps)],

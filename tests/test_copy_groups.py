@@ -25,15 +25,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from copies_bound import DTYPES, refused_everywhere
-from layouts import error_of, local_bytes, mesh, ulp_distance
+from support.copies_bound import DTYPES, refused_everywhere
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from world_layouts import wire
 
 from credit.parallel._norm.copies import tolerance
 from credit.parallel.collectives import total_grad_norm
+from testbed.layouts import error_of, local_bytes, mesh, ulp_distance
+from testbed.world_layouts import wire
 
 WORLD = 4
 TOLERANCE_ULP = 4

@@ -149,6 +149,7 @@ def test_default_tolerance_is_the_one_checked_here() -> None:
     assert DEFAULT_RTOL == RTOL
 
 
+@pytest.mark.slow
 def test_dp2_tp2_matches_the_replica() -> None:
     result = _run(_demo_command(["--steps", "3"]))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -161,6 +162,7 @@ def test_dp2_tp2_matches_the_replica() -> None:
     _check_clean_output(result, world=4)
 
 
+@pytest.mark.slow
 def test_dp2_tp2_domain2_on_eight_ranks_matches_the_replica() -> None:
     result = _run(_demo_command(["--domain", "2", "--steps", "2", "--accum", "2"]))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -171,6 +173,7 @@ def test_dp2_tp2_domain2_on_eight_ranks_matches_the_replica() -> None:
     _check_clean_output(result, world=8)
 
 
+@pytest.mark.slow
 def test_under_torchrun_the_demo_runs_in_place() -> None:
     """torchrun starts the ranks (the multi-node path); the demo runs as each of them."""
     command = [
@@ -198,6 +201,7 @@ def test_under_torchrun_the_demo_runs_in_place() -> None:
     _check_parity(result.stdout, steps=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "function"),
     [("explicit", "sync_domain_gradients"), ("in-backward", "sync_domain_gradients_in_backward")],
@@ -222,6 +226,7 @@ def test_the_check_catches_a_missing_domain_sync(mode: str, function: str) -> No
     assert not _verdicts(result.stdout), "the run went on"
 
 
+@pytest.mark.slow
 def test_fp16_scaling_skips_the_planted_step_on_every_rank_where_torch_diverges() -> None:
     """An inf in rank 3's TP shard at step 3: every rank and the replica skip it and back off
     (1024, 2048 after two clean steps, 1024); torch's own scaler on the same layout does not.
@@ -256,6 +261,7 @@ def test_fp16_scaling_skips_the_planted_step_on_every_rank_where_torch_diverges(
     assert "(ranks 0, 1 disagree, ranks 2, 3 disagree)" in result.stdout
 
 
+@pytest.mark.slow
 def test_bf16_skips_the_planted_step_without_scaling() -> None:
     """Skipping only: the scale stays 1 and the planted step is skipped everywhere; torch's
     scaler on the same layout splits the ranks at a scale of 1 too."""
@@ -306,6 +312,7 @@ def _check_spike_line(stdout: str, taken: list[Row], spike: Row) -> None:
     assert _close(ref_z, found[5], 3), found[0]
 
 
+@pytest.mark.slow
 def test_a_planted_spike_is_skipped_on_every_rank_and_by_the_replica() -> None:
     """At step 6 the inputs of rank 3's data shard (ranks 2 and 3) are scaled by 1e3: the spike
     policy, held by GradScaler(scaling=False), skips the step on every rank, the replica's own
@@ -334,6 +341,7 @@ def test_a_planted_spike_is_skipped_on_every_rank_and_by_the_replica() -> None:
     assert warning.startswith("SpikePolicy skipped the 6th step it saw as a spike: gradient norm ")
 
 
+@pytest.mark.slow
 def test_fp16_scaling_skips_a_spike_without_backing_off() -> None:
     """With fp16 the policy rides in the scaling GradScaler: the inf of step 2 backs the scale
     off, the spike of step 8 does not (its growth interval counts it: 2048 to 4096, as torch's

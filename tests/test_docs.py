@@ -23,6 +23,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+# Slow, both (make test-fast leaves them out): the docs built, the guide's example trained.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "examples" / "fsdp_tp_domain.py"
 STEPS, ACCUM_STEPS, MAX_NORM, DP = 4, 2, 0.5, 2

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import TP_PLAN, TinyNet, mesh, run_step
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -33,7 +32,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
-from world_layouts import WireRecorder
 
 from credit.parallel import _averaging
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
@@ -43,6 +41,8 @@ from credit.parallel.grad_sync import (
     sync_domain_gradients_in_backward,
     sync_replicated_gradients,
 )
+from testbed.layouts import TP_PLAN, TinyNet, mesh, run_step
+from testbed.world_layouts import WireRecorder
 
 ACCUM = 2
 

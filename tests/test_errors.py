@@ -21,7 +21,6 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import local_bytes, mesh
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -34,6 +33,7 @@ from credit.parallel.collectives import (
     get_total_norm,
     total_grad_norm,
 )
+from testbed.layouts import local_bytes, mesh
 
 
 def _grads() -> list[Tensor]:

@@ -29,8 +29,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import error_of, local_bytes, mesh, same_bits_everywhere, ulp_distance
-from multirank import RankPool
+from support.multirank import RankPool
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -39,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from credit.parallel._common.scoped import ScopedCache
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.replicas import ReplicaMismatchError, verify_replicas
+from testbed.layouts import error_of, local_bytes, mesh, same_bits_everywhere, ulp_distance
 
 TOLERANCE_ULP = 8
 COPIES_DIFFER = "holds different values on ranks that the rank maps take for copies"
@@ -277,6 +277,7 @@ def _restart_in_process(directory: str) -> list:
     return [norm, replicas]
 
 
+@pytest.mark.slow
 def test_a_group_formed_again_in_process_starts_from_nothing_proven():
     pool = RankPool(4)  # its own workers: the group they end with is not the pool's
     try:

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import build, full_grads, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -29,6 +28,7 @@ from credit.parallel._common.compat import local_tensor
 from credit.parallel._common.launch import host_store
 from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
+from testbed.layouts import build, full_grads, same_bits_everywhere
 
 HOST = "127.0.0.1"
 PROCESS_GROUP_TIMEOUT_S = 5.0
@@ -291,6 +291,7 @@ def _run_scenario(scenario: str, world: int, out_dir: Path) -> dict[int, dict]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("scenario", "world"),
     [("exit mid average", 3), ("exit before clip", 3), ("stall in average", 2)],
@@ -308,6 +309,7 @@ def test_survivors_raise_when_a_rank_dies_or_stalls(tmp_path, scenario, world):
             assert "Timed out" in outcome["message"] or "timeout" in outcome["message"].lower()
 
 
+@pytest.mark.slow
 def test_unchecked_layout_mismatch_aborts_the_process(tmp_path):
     """The reason for the check mode; this fails the day gloo stops aborting on a mismatch."""
     results = _run_scenario("unchecked mismatch", 2, tmp_path)

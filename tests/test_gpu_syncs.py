@@ -11,8 +11,8 @@ or ``tests/gpu_check.sh``, which runs them and writes a log. ``tests/test_host_s
 same paths on fake CUDA tensors everywhere else.
 
 Four gloo ranks share the GPU (each sets device 0) and run every row of the table of
-``tests/sync_paths.py`` twice: on CUDA meshes, and on CPU meshes with the same values, chosen so
-that every norm is exact (see ``sync_paths.World``): the CUDA run's results and gradients must
+``tests/support/sync_paths.py`` twice: on CUDA meshes, and on CPU meshes with the same values, chosen so
+that every norm is exact (see ``support.sync_paths.World``): the CUDA run's results and gradients must
 have the CPU run's bits. Each row is called three times, its gradients restored before each call;
 the second and third CUDA calls run under ``torch.cuda.set_sync_debug_mode("warn")`` and must make
 exactly the row's syncs (its reads and blocking copies, one sync each on a GPU).
@@ -48,7 +48,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from sync_paths import CALLS, ROWS, WORLD, Row, World
+from support.sync_paths import CALLS, ROWS, WORLD, Row, World
 from torch import Tensor, nn
 
 from credit.parallel import collectives

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import RankFailure
+from support.multirank import RankFailure
 
 
 def _rank_and_sum() -> tuple[int, int, float]:
@@ -42,12 +42,14 @@ def test_exception_on_one_rank_fails_with_its_traceback(ranks):
     assert ranks.run(2, _rank_and_sum)[1] == (1, 2, 1.0)
 
 
+@pytest.mark.slow
 def test_hang_fails_in_bounded_time_with_each_rank_stack(ranks):
     with pytest.raises(RankFailure, match=r"(?s)timed out.*rank 0 stack.*_hang_on_rank_zero"):
         ranks.run(2, _hang_on_rank_zero, timeout_s=2)
     assert ranks.run(2, _rank_and_sum)[0] == (0, 2, 1.0)
 
 
+@pytest.mark.slow
 def test_dead_rank_fails_and_pool_restarts(ranks):
     with pytest.raises(RankFailure, match="rank 1 died with exit code 3"):
         ranks.run(2, _die_on_rank_one)

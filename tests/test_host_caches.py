@@ -23,13 +23,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import error_of, mesh, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from credit.parallel._common import holdings
 from credit.parallel._common.inputs import check_grads, tensor_list
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
+from testbed.layouts import error_of, mesh, same_bits_everywhere
 
 
 def _seeded(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> Tensor:

@@ -1,13 +1,13 @@
 """No host sync at steady state: every public path traced on fake CUDA tensors, on this CPU.
 
-``tests/sync_paths.py`` holds the table (one row per path: the host reads and blocking copies a
+``tests/support/sync_paths.py`` holds the table (one row per path: the host reads and blocking copies a
 call may make at steady state, every other kind of sync zero) and traces every row, as one rank
 of a 4-rank fake world, in a fresh spawned process: ranks 0 (the reference of every copy group,
 holding the 1-row weights) and 3 (the last, with the empty shards), in parallel. A path's first
 call (its layout's) may verify and read: it is bounded, and listed in ``build/host-syncs.txt``.
 
 The trace needs a CUDA device guard: on a CPU-only torch it builds torch's no-op guard with a
-C++ compiler (``tests/sync_trace.py``). Without one it skips, with the reason; ``.ci/run`` sets
+C++ compiler (``tests/support/sync_trace.py``). Without one it skips, with the reason; ``.ci/run`` sets
 ``CREDIT_PARALLEL_REQUIRE_TRACE=1``, which turns that skip into a failure, as it does for a row
 whose function is missing.
 
@@ -21,8 +21,19 @@ import multiprocessing
 import os
 
 import pytest
-from sync_paths import ROWS, WORLD, Row, Traced, trace_world
-from sync_trace import BLOCKING_COPY, CPU_COLLECTIVE, DEVICE_MISMATCH, KINDS, READ, REPO, Sync
+from support.sync_paths import ROWS, WORLD, Row, Traced, trace_world
+from support.sync_trace import (
+    BLOCKING_COPY,
+    CPU_COLLECTIVE,
+    DEVICE_MISMATCH,
+    KINDS,
+    READ,
+    REPO,
+    Sync,
+)
+
+# Slow, every test (make test-fast leaves them out): the trace builds its world (and, once, the no-op CUDA guard).
+pytestmark = pytest.mark.slow
 
 RANKS = (0, WORLD - 1)
 REQUIRED = "CREDIT_PARALLEL_REQUIRE_TRACE"

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from layouts import build, grads
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -32,6 +31,7 @@ from credit.parallel._common import holdings as _holdings
 from credit.parallel.amp import GradScaler
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
+from testbed.layouts import build, grads
 
 LIBRARY = os.path.dirname(collectives.__file__)
 READ = "read"

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+# Slow, every test (make test-fast leaves them out): two wheels built, installed in fresh venvs.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 CREDIT = "miles-credit==2026.2.0"
 CREDIT_FILES = {  # what miles-credit installs under credit/parallel/, and credit/__init__.py

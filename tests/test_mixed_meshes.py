@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-from layouts import LAYOUTS, build, full_grads, grads, same_bits_everywhere, ulp_distance
 from torch.distributed.tensor import DTensor
 
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
+from testbed.layouts import LAYOUTS, build, full_grads, grads, same_bits_everywhere, ulp_distance
 
 NORM_TYPES = (0.5, 1.0, 2.0, 3.0, math.inf)
 

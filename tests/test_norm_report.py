@@ -2,7 +2,7 @@
 
 Oracle: torch.nn.utils.get_total_norm on each group's full_tensor() gradients, with the groups
 decided independently of the library (by parameter name, from the known TP plan and wrapping of
-tests/layouts.py). Tolerance 8 float32 ULP, as for total_grad_norm: the sums of p-th powers run in
+testbed/layouts.py). Tolerance 8 float32 ULP, as for total_grad_norm: the sums of p-th powers run in
 another order (per shard, per group, then across ranks), each step rounding once; a gradient in the
 wrong group or counted twice is off by far more.
 """
@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import TinyNet, build, run_step
-from layouts import ulp_distance as _ulp_distance
 from test_pipeline import all_stages, build_pipeline
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from world_layouts import WireRecorder
 
 from credit.parallel.collectives import total_grad_norm
 from credit.parallel.norm_report import grad_norm_report
+from testbed.layouts import TinyNet, build, run_step
+from testbed.layouts import ulp_distance as _ulp_distance
+from testbed.world_layouts import WireRecorder
 
 NORM_TYPES = (1.0, 2.0, math.inf)
 TOLERANCE_ULP = 8

@@ -31,7 +31,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import (
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
+from testbed.layouts import (
     DIM,
     TP_PLAN,
     TinyNet,
@@ -42,14 +49,7 @@ from layouts import (
     same_bits_everywhere,
     ulp_distance,
 )
-from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
-from world_layouts import WireRecorder
-
-from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
+from testbed.world_layouts import WireRecorder
 
 TOLERANCE_ULP = 8
 

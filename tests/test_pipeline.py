@@ -23,17 +23,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import IN_DIM, TP_PLAN, Block, full_grads, grads, mesh, same_bits_everywhere
-from layouts import ulp_distance as ulps
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
-from world_layouts import WireRecorder
 
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
+from testbed.layouts import IN_DIM, TP_PLAN, Block, full_grads, grads, mesh, same_bits_everywhere
+from testbed.layouts import ulp_distance as ulps
+from testbed.world_layouts import WireRecorder
 
 NORM_TYPES = (1.0, 2.0, 3.0, math.inf)
 DIM = 16

@@ -19,8 +19,6 @@ import math
 
 import pytest
 import torch
-from layouts import IN_DIM, TP_PLAN, TinyNet, grads, mesh, same_bits_everywhere
-from layouts import ulp_distance as ulps
 from torch import Tensor
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -28,6 +26,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.profiler import ProfilerActivity, profile
 
 from credit.parallel.collectives import total_grad_norm
+from testbed.layouts import IN_DIM, TP_PLAN, TinyNet, grads, mesh, same_bits_everywhere
+from testbed.layouts import ulp_distance as ulps
 
 FLOAT32_TOLERANCE_ULP = 8
 BF16_DEFAULT_MIN_ULP = 32 * FLOAT32_TOLERANCE_ULP

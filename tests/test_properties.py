@@ -44,15 +44,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from layouts import mesh, same_bits_everywhere
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from credit.parallel.collectives import allreduce_grads_avg, clip_grad_norm_, total_grad_norm
+from testbed.layouts import mesh, same_bits_everywhere
 
 WORLD = 4
 MESHES = {"1d": ((4,), ("dp",)), "2d": ((2, 2), ("dp", "tp"))}
@@ -235,6 +236,7 @@ def _every_dtype_and_norm_type(example: NormExample) -> list[dict]:
     ]
 
 
+@pytest.mark.slow
 @EXAMPLES
 @given(example=_norm_examples())
 def test_norm_and_clip_match_the_materialised_reference(ranks, example):
@@ -354,6 +356,7 @@ def _average_with_every_cap(example: AvgExample) -> list[str]:
     return [p for cap in BUCKET_CAPS_MB for p in _average_matches_gathered_mean(example, cap)]
 
 
+@pytest.mark.slow
 @EXAMPLES
 @given(example=_avg_examples())
 def test_average_matches_the_gathered_mean(ranks, example):

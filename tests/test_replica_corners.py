@@ -24,13 +24,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import mesh
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from credit.parallel._common.compat import local_tensor
 from credit.parallel.replicas import ReplicaMismatchError, ReplicaReport, verify_replicas
+from testbed.layouts import mesh
 
 WORLD = 4
 

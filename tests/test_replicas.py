@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from amp_layouts import Layout, batch, build
+from support.amp_layouts import Layout, batch, build
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -213,6 +213,7 @@ def _check_plant(
     assert planted["passes_after"], label
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_every_planted_difference_is_named_and_repaired(ranks, name):
     records = ranks.run(WORLD, _plants_on, name, timeout_s=180)
@@ -255,6 +256,7 @@ def _corrupted_and_repaired(corrupt: bool) -> list[Tensor]:
     return _everything(layout.model, optimizer)
 
 
+@pytest.mark.slow
 def test_a_run_repaired_where_it_was_corrupted_goes_on_bit_identical(ranks):
     clean = ranks.run(WORLD, _corrupted_and_repaired, False)
     repaired = ranks.run(WORLD, _corrupted_and_repaired, True)
@@ -318,6 +320,7 @@ def _batch_norm(wrap: str) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrap", ["ddp", "compiled ddp", "plain"])
 def test_buffers_that_each_rank_updates(ranks, wrap):
     """DDP broadcasts its buffers at every forward, so they differ between forwards: left out

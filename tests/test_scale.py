@@ -1,7 +1,7 @@
 """Collectives per call at simulated scale: a 1024-rank (dp=128 x tp=8) world in one process.
 
 torch's fake backend lets one process act as one rank of a large world and count the collectives
-each call issues; ``tests/fake_world.py`` builds the gradients (DTensors in the layouts FSDP2 + TP
+each call issues; ``testbed/fake_world.py`` builds the gradients (DTensors in the layouts FSDP2 + TP
 produce, plain replicated tensors beside them, an empty local shard) and does the counting, which
 the benchmark reports too.
 
@@ -14,7 +14,11 @@ from __future__ import annotations
 import multiprocessing
 
 import pytest
-from fake_world import EXPECTED_BUCKETS, counts_in_fake_world
+
+from testbed.fake_world import EXPECTED_BUCKETS, counts_in_fake_world
+
+# Slow, every test (make test-fast leaves them out): a fresh process builds each simulated world.
+pytestmark = pytest.mark.slow
 
 DP, TP = 128, 8
 SMALL_WORLD = (4, TP)  # the same counts must come out of a 32-rank world (dp=2 per stage)

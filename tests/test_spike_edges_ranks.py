@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from amp_layouts import Layout, batch, build, local_bits
+from support.amp_layouts import Layout, batch, build, local_bits
 from torch import Tensor
 
 from credit.parallel.amp import GradScaler

@@ -135,6 +135,7 @@ def _early_training(history: str, steps: int = 120) -> tuple[list[float], list[f
     return norms, limits, policy.skipped_spikes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("history", HISTORIES)
 def test_the_limit_follows_early_trainings_fall(history):
     """Observed: the limit at most 7.0 (moving average) and 4.0 (window) times the norm after the
@@ -150,6 +151,7 @@ def test_the_limit_follows_early_trainings_fall(history):
     assert max(r for r in theirs if math.isfinite(r)) > 20.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("history", HISTORIES)
 def test_stationary_noise_is_decided_as_the_published_formulas_decide(history):
     """Lognormal noise with planted steps of 1.5 to 5 times the level: the policy skips the

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from amp_layouts import (
+from support.amp_layouts import (
     GROWTH_INTERVAL,
     INIT_SCALE,
     Layout,
@@ -43,8 +43,7 @@ from amp_layouts import (
     local_bits,
     plant_value,
 )
-from layouts import IN_DIM
-from spike_runs import (
+from support.spike_runs import (
     SPIKE,
     SPIKE_STEP,
     STEPS,
@@ -64,6 +63,10 @@ from torch.nn.parallel import DistributedDataParallel
 from credit.parallel._common.compat import local_tensor
 from credit.parallel.amp import GradScaler
 from credit.parallel.spikes import SpikePolicy
+from testbed.layouts import IN_DIM
+
+# Slow, every test (make test-fast leaves them out): training runs on every layout at real ranks.
+pytestmark = pytest.mark.slow
 
 # The one-process replica sums every gradient in another order (over ranks, shards and TP
 # partial sums), a few ULPs off the distributed sum; SGD carries that into the weights multiplied

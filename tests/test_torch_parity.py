@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterable
 import pytest
 import torch
 import torch.distributed as dist
-from layouts import build, full_grads, grads, mesh, same_bits_everywhere, ulp_distance
 from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from credit.parallel.collectives import clip_grad_norm_, total_grad_norm
+from testbed.layouts import build, full_grads, grads, mesh, same_bits_everywhere, ulp_distance
 
 NORM_TYPES: tuple[float | str, ...] = (1.0, 2.0, 3.0, math.inf, "inf")
 # Every gradient below has a norm well above 1 for each p, so max_norm=1 clips and 1e3 does not.

@@ -3,10 +3,10 @@ carries, and that neither grows with the world.
 
 One process plays one rank of a fake world (torch's fake backend: collectives return at once and
 move no data) and records every collective a call issues with the elements it sends
-(``world_layouts.WireRecorder``). The gradients are a 4-layer Llama-like model's (39 gradients)
+(``testbed.world_layouts.WireRecorder``). The gradients are a 4-layer Llama-like model's (39 gradients)
 in four layouts: FSDP2 x TP on (dp, tp=8), HSDP x TP on (rep, shard, tp=8), four pipeline stages
 on (pp=4, dp, tp=8), and experts declared with ``distinct_along`` beside dense parameters
-sharded over the world (``tests/world_layouts.py`` says how each is built).
+sharded over the world (``testbed/world_layouts.py`` says how each is built).
 
 Worlds: rank 0 and the last rank of 1,024 ranks, and rank 0 of 128 ranks. The wire must be the
 same at both sizes: along the data-parallel dim for FSDP2 x TP, pipeline stages and experts;
@@ -23,13 +23,17 @@ from __future__ import annotations
 import multiprocessing
 
 import pytest
-from world_layouts import (
+
+from testbed.world_layouts import (
     MODELS,
     Collective,
     describe,
     groups_of_a_dp_mesh_among_two_dims,
     wire_in_fake_world,
 )
+
+# Slow, every test (make test-fast leaves them out): a fresh process builds each simulated world.
+pytestmark = pytest.mark.slow
 
 MODEL = "4-layer"
 GRADIENTS = MODELS[MODEL].gradients

@@ -6,7 +6,7 @@ DeviceMeshes, holds gradients in the layouts FSDP2 and FSDP2 + TP produce, built
 every rank but the first an empty shard); dp=2 x tp=2 with ``_StridedShard`` (FSDP2 over TP's
 colwise shard), rowwise ``(Shard(0), Shard(1))``, a ``(Shard(0), Replicate())`` bias, dp-only
 shards and plain replicas beside them; and two pipeline stages of FSDP2 shards. Every path of
-:data:`ROWS` is called three times under :class:`~sync_trace.SyncRecorder`; the second and third
+:data:`ROWS` is called three times under :class:`~support.sync_trace.SyncRecorder`; the second and third
 calls are the steady state, which the row's numbers bound exactly.
 
 :data:`ROWS` is the table of the guide: one row per path, its host reads and blocking copies at
@@ -33,18 +33,6 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from sync_trace import (
-    BLOCKING_COPY,
-    CPU_COLLECTIVE,
-    DATA_DEPENDENT,
-    DEVICE_MISMATCH,
-    READ,
-    Sync,
-    fake_cuda,
-    load_noop_cuda_guard,
-    recording,
-    register_fake_collectives,
-)
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -60,6 +48,18 @@ from credit.parallel.grad_sync import sync_domain_gradients, sync_replicated_gra
 from credit.parallel.norm_report import grad_norm_report
 from credit.parallel.replicas import verify_replicas
 from credit.parallel.spikes import SpikePolicy
+from support.sync_trace import (
+    BLOCKING_COPY,
+    CPU_COLLECTIVE,
+    DATA_DEPENDENT,
+    DEVICE_MISMATCH,
+    READ,
+    Sync,
+    fake_cuda,
+    load_noop_cuda_guard,
+    recording,
+    register_fake_collectives,
+)
 
 WORLD = 4
 CALLS = 3  # the first call of a layout, then two at steady state
@@ -392,7 +392,7 @@ class Row:
         build: builds the path's objects on a :class:`World` and returns one steady-state call.
         reads: host reads per call at steady state.
         copies: blocking copies between CPU and CUDA per call at steady state.
-        answer: what each host read returns (see :class:`~sync_trace.SyncRecorder`).
+        answer: what each host read returns (see :class:`~support.sync_trace.SyncRecorder`).
         needs: a function of ``credit.parallel.collectives`` the path calls.
     """
 
@@ -653,7 +653,7 @@ def planted_lines() -> dict[str, str]:
     for offset, line in enumerate(lines):
         for kind, marker in (("read", "float(norms[0])"), ("collective", "dist.all_reduce(")):
             if marker in line:
-                where[kind] = f"tests/sync_paths.py:{first + offset} (foreach_norm)"
+                where[kind] = f"tests/support/sync_paths.py:{first + offset} (foreach_norm)"
     return where
 
 

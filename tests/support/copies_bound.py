@@ -15,7 +15,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-from layouts import local_bytes, mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -32,6 +31,7 @@ from credit.parallel._common.compat import local_tensor
 from credit.parallel._norm.copies import tolerance
 from credit.parallel.collectives import clip_grad_norm_
 from credit.parallel.grad_sync import sync_replicated_gradients
+from testbed.layouts import local_bytes, mesh
 
 COPIES_DIFFER = "holds different values on ranks that the rank maps take for copies"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -2,7 +2,7 @@
 
 A spike is planted in the loss of one data rank (every rank that trains on that slice of the
 global batch: its TP or expert-parallel peers too), multiplied by :data:`SPIKE` at one step. The
-input itself cannot carry it: :class:`~amp_layouts.NormFirstNet` opens with a LayerNorm, which
+input itself cannot carry it: :class:`~support.amp_layouts.NormFirstNet` opens with a LayerNorm, which
 undoes any scaling of its input. Within a data-parallel group the loss's weight reaches that
 slice's gradients alone, as a batch that runs away does.
 
@@ -19,13 +19,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from amp_layouts import Layout, NormFirstNet, WithExperts, batch, build, copies_agree, local_bits
-from layouts import IN_DIM
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from credit.parallel.amp import GradScaler
 from credit.parallel.spikes import SpikePolicy
+from support.amp_layouts import (
+    Layout,
+    NormFirstNet,
+    WithExperts,
+    batch,
+    build,
+    copies_agree,
+    local_bits,
+)
+from testbed.layouts import IN_DIM
 
 STEPS = 8
 SPIKE_STEP = 5

@@ -62,7 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from credit.parallel import collectives
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LIBRARY = Path(collectives.__file__).resolve().parent
 _TORCH = Path(torch.__file__).resolve().parent
 _THIS_FILE = Path(__file__).resolve()

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from layouts import DIM, IN_DIM, TP_PLAN, Block, mesh
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -27,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from credit.parallel._common.compat import is_shard, local_tensor
 from credit.parallel.grad_sync import sync_domain_gradients, sync_replicated_gradients
+from testbed.layouts import DIM, IN_DIM, TP_PLAN, Block, mesh
 
 STEPS = 6
 INIT_SCALE = 2.0**10

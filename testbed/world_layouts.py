@@ -1,7 +1,7 @@
 """Llama-like gradients at world scale on torch's fake backend, and the wire of a call.
 
 One process plays one rank of a world of up to 65,536 ranks (``FakeStore`` + backend ``"fake"``,
-as in ``tests/fake_world.py``): collectives return at once and move no data, so what a call costs
+as in ``testbed/fake_world.py``): collectives return at once and move no data, so what a call costs
 this rank is its structure: the host work, the memory it keeps, and what it puts on the wire.
 The gradients are DTensors built with ``DTensor.from_local`` in the layouts FSDP2 + TP produce
 for a Llama-like model (the global shapes of Llama 3 8B or 70B, local shards of
@@ -25,7 +25,7 @@ for a Llama-like model (the global shapes of Llama 3 8B or 70B, local shards of
   efsdp dim of an (efsdp, ep) view and declared with ``distinct_along=[(experts, ep)]``.
 
 :class:`WireRecorder` records the collectives a call issues, with the elements each carries.
-Every world must be set up in a fresh process (see ``tests/fake_world.py``).
+Every world must be set up in a fresh process (see ``testbed/fake_world.py``).
 """
 
 from __future__ import annotations
