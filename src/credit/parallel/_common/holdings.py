@@ -109,7 +109,8 @@ def holdings(grads: list[Tensor]) -> list[Holding]:
     entry = _by_list.get(key)
     if entry is None:
         specs = tuple(dtensor_spec(g) for g in grads if isinstance(g, DTensor))
-        entry = _by_list.put(key, (tuple(_holdings_of(grads)), specs))
+        entry = (tuple(_holdings_of(grads)), specs)
+        _by_list.put(key, entry)
     return list(entry[0])
 
 

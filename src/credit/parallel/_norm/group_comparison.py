@@ -150,16 +150,15 @@ def _rows_differ(comparison: GroupComparison, sums: Tensor) -> Tensor:
     return _copies.grouped_differ(sums, comparison.limits[:, :1], comparison.limits[:, 1:])
 
 
-def proof_flags(comparison: GroupComparison, local: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """The proof's three numbers for the world's all_reduce: whether a fingerprint of this rank's
-    rows was not finite, whether copies differ, whether a group holds other than the copies of
-    one shard (1.0 or 0.0 each, float64); and beside them, per row, whether its group does
-    (a boolean tensor, read on the failure path only). Issues the comparison's all_reduces with
-    full fingerprints and the keys."""
+def proof_flags(comparison: GroupComparison, prints: Tensor) -> tuple[Tensor, Tensor]:
+    """The proof's three numbers for the world's all_reduce, from the full fingerprints
+    ``prints`` of this rank's rows (``copies.fingerprints``): whether one was not finite, whether
+    copies differ, whether a group holds other than the copies of one shard (1.0 or 0.0 each,
+    float64); and beside them, per row, whether its group does (a boolean tensor, read on the
+    failure path only). Issues the comparison's all_reduces with the fingerprints and the keys."""
     device = comparison.limits.device
     if not comparison.compared:
         return torch.zeros(3, dtype=torch.float64, device=device), comparison.keys[:, 0] > 0
-    prints = _copies.fingerprints([local[i] for i in comparison.compared], device)
     nonfinite = ~torch.isfinite(prints).all()
     prints = torch.where(nonfinite, 0.0, prints)
     sums = summed(comparison, torch.cat([prints, prints**2, comparison.keys], dim=1))

@@ -178,7 +178,8 @@ def planned(request: NormRequest) -> NormPlan:
     key = (tuple(map(id, holdings)), stages, lowest, distinct)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans.put(key, _plan(request, holdings, stages, lowest, device))
+        plan = _plan(request, holdings, stages, lowest, device)
+        _plans.put(key, plan)
     return plan
 
 

@@ -115,7 +115,9 @@ def _prove_in_groups(plan: NormPlan, request: NormRequest) -> bool:
         ValueError: copies differ (on every rank).
         RuntimeError: a process group taken for copies holds other shards (on every rank).
     """
-    flags, misfit = _group_comparison.proof_flags(plan.groups, request.local)
+    rows = [request.local[i] for i in plan.groups.compared]
+    prints = _copies.fingerprints(rows, plan.stacking.device)
+    flags, misfit = _group_comparison.proof_flags(plan.groups, prints)
     dist.all_reduce(flags, op=dist.ReduceOp.SUM)
     if not moves_data():
         return True
