@@ -254,7 +254,7 @@ def _stacked_weights(
     """The weights of the stacked norms: ``1 / copies`` (``ownership.weight``); under pipeline
     stages, a stage of plain replicas weights its lowest rank's copy 1 and the others 0 (the
     reference copy's norm, as without stages)."""
-    if stages.count > 1 and declared is None and all(h.mesh is None for h in holdings):
+    if stages.count > 1 and _plain_replicas(holdings, declared):
         return [float(dist.get_rank() == lowest)] * len(weights)
     return weights
 
@@ -262,13 +262,18 @@ def _stacked_weights(
 def _kind(
     holdings: list[Holding], stages: Stages, declared: list[frozenset[int] | None] | None
 ) -> Kind:
-    """Pipeline stages; else plain replicas (plain tensors that no ``distinct_along`` declares
-    rank-local, whose reference copy gives the norm: DDP); else shards."""
+    """Pipeline stages; else plain replicas; else shards."""
     if stages.count > 1:
         return Kind.STAGES
-    if declared is None and all(h.mesh is None for h in holdings):
+    if _plain_replicas(holdings, declared):
         return Kind.REPLICAS
     return Kind.SHARDS
+
+
+def _plain_replicas(holdings: list[Holding], declared: list[frozenset[int] | None] | None) -> bool:
+    """Whether every gradient is a plain tensor that no ``distinct_along`` declares rank-local:
+    replicas, whose reference copy gives the norm (DDP)."""
+    return declared is None and all(h.mesh is None for h in holdings)
 
 
 def _copy_slots(copies: list[Copies], holdings: list[Holding], order: list[int]) -> _copies.Slots:
